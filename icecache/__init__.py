@@ -1,0 +1,17 @@
+"""icecache: long documents through local LLMs with a clustered, offloaded, query-aware KV cache.
+
+The public API::
+
+    from icecache import resolve_settings, load_model, Runner
+    settings = resolve_settings("cpu")
+    runner = Runner(load_model(None, settings), settings, method="full")
+    print(runner.summarize(open("report.txt").read()).output)
+"""
+
+from .config import Settings, resolve_settings
+from .errors import IceCacheError
+from .models import load_model
+from .tasks import Runner, TaskResult
+
+__version__ = "0.1.0"
+__all__ = ["Settings", "resolve_settings", "load_model", "Runner", "TaskResult", "IceCacheError"]

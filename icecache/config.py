@@ -1,0 +1,192 @@
+"""Settings: dataclass defaults -> YAML hardware profile -> command-line flags.
+
+One frozen :class:`Settings` object comes out of :func:`resolve_settings`; every value in it has
+been type-checked and validated, and every error names the key and where it came from (a profile
+file or a flag).
+
+A profile is a flat YAML mapping whose keys are the fields of :class:`Settings` (plus ``name`` and
+``description``). Shipped profiles live in ``profiles/`` (installed as ``icecache.profiles``);
+``--profile`` takes one of their names or a path to a YAML file.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib.util
+import os
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import ProfileError
+
+DTYPES = ("float32", "bfloat16", "float16")
+MAX_THREADS = 256
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything that fixes how a model runs on one machine.
+
+    Memory sizes are in GiB; ``0`` means "not limited / not known". Token counts (``budget``,
+    ``chunk_size``, ``max_context``) are in tokens; ``sink_pages`` and ``window_pages`` in pages of
+    ``page_size`` tokens.
+    """
+
+    name: str = "default"
+    description: str = ""
+    device: str = "cpu"
+    device_memory_gib: float = 0.0
+    host_memory_gib: float = 16.0
+    cpu_threads: int = 0  # 0: one per core
+    dtype: str = "float32"
+    page_size: int = 16
+    budget: int = 256
+    sink_pages: int = 2
+    window_pages: int = 2
+    dense_layers: int = 2
+    chunk_size: int = 2048
+    max_context: int = 131072
+
+    def replace(self, **changes: Any) -> Settings:
+        return dataclasses.replace(self, **changes)
+
+    @property
+    def budget_pages(self) -> int:
+        return self.budget // self.page_size
+
+
+_TYPES = {"str": str, "int": int, "float": float}
+FIELD_TYPES: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings)}
+
+
+def _check_type(key: str, value: Any, source: str) -> Any:
+    want = FIELD_TYPES[key]
+    if want is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if isinstance(value, bool) or not isinstance(value, want):
+        where = source if source.startswith("--") else f"{source}: key '{key}'"
+        raise ProfileError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def validate(s: Settings, source: str) -> Settings:
+    """Check values that are each well-typed but impossible alone or together."""
+
+    def bad(key: str, why: str) -> ProfileError:
+        where = source if source.startswith("--") else f"{source}: key '{key}'"
+        return ProfileError(f"{where} {why}, got {getattr(s, key)!r}")
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", s.device):
+        raise bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
+    if s.dtype not in DTYPES:
+        raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+    if s.device_memory_gib < 0:
+        raise bad("device_memory_gib", "must be >= 0")
+    if s.host_memory_gib <= 0:
+        raise bad("host_memory_gib", "must be > 0")
+    if not 0 <= s.cpu_threads <= MAX_THREADS:
+        raise bad("cpu_threads", f"must be between 0 (one per core) and {MAX_THREADS}")
+    if s.page_size <= 0 or s.page_size & (s.page_size - 1) or s.page_size > 1024:
+        raise bad("page_size", "must be a power of two between 1 and 1024")
+    if s.budget <= 0 or s.budget % s.page_size:
+        raise bad("budget", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.sink_pages < 0:
+        raise bad("sink_pages", "must be >= 0")
+    if s.window_pages < 1:
+        raise bad("window_pages", "must be >= 1")
+    if s.dense_layers < 0:
+        raise bad("dense_layers", "must be >= 0")
+    if s.chunk_size <= 0 or s.chunk_size % s.page_size:
+        raise bad("chunk_size", f"must be a positive multiple of page_size ({s.page_size})")
+    resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget
+    if s.max_context < resident:
+        raise bad("max_context", f"must hold at least sink + window + budget ({resident} tokens)")
+    return s
+
+
+def apply(base: Settings, values: Mapping[str, Any], source: str) -> Settings:
+    """Overlay ``values`` (a profile mapping or flags) on ``base``; check types and values."""
+    known = {f.name for f in fields(Settings)}
+    changes = {}
+    for key, value in values.items():
+        if key not in known:
+            raise ProfileError(
+                f"{source}: unknown key '{key}' (known keys: {', '.join(sorted(known))})"
+            )
+        changes[key] = _check_type(key, value, source)
+    return validate(base.replace(**changes), source)
+
+
+def profiles_dir() -> Path:
+    """The folder of shipped profiles: ``profiles/`` in a checkout, else the installed copy."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "profiles"
+    if checkout.is_dir():
+        return checkout
+    spec = importlib.util.find_spec("icecache.profiles")
+    if spec and spec.submodule_search_locations:
+        return Path(list(spec.submodule_search_locations)[0])
+    raise ProfileError("the shipped profiles folder is missing; reinstall icecache")
+
+
+def shipped_profiles() -> dict[str, Path]:
+    return {p.stem: p for p in sorted(profiles_dir().glob("*.yaml"))}
+
+
+def profile_path(name_or_path: str) -> Path:
+    """Resolve ``--profile``: a shipped profile name or a path to a YAML file."""
+    shipped = shipped_profiles()
+    if name_or_path in shipped:
+        return shipped[name_or_path]
+    path = Path(name_or_path)
+    if path.suffix in (".yaml", ".yml") or os.sep in name_or_path or path.exists():
+        if not path.is_file():
+            raise ProfileError(f"profile file {name_or_path} does not exist")
+        return path
+    raise ProfileError(
+        f"unknown profile '{name_or_path}' (shipped: {', '.join(shipped)}; or pass a YAML path)"
+    )
+
+
+def load_profile(name_or_path: str, base: Settings | None = None) -> Settings:
+    path = profile_path(name_or_path)
+    try:
+        data = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ProfileError(f"profile {path}: cannot be read ({exc.__class__.__name__})") from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark else ""
+        raise ProfileError(f"profile {path}: not valid YAML{where}") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ProfileError(f"profile {path}: must be a mapping of keys to values")
+    data.setdefault("name", path.stem)
+    return apply(base or Settings(), data, f"profile {path}")
+
+
+def default_profile_name() -> str:
+    """``cpu`` without CUDA; with CUDA, the shipped GPU profile that fits the device's memory."""
+    import torch
+
+    if not torch.cuda.is_available():
+        return "cpu"
+    gib = torch.cuda.get_device_properties(0).total_memory / 2**30
+    return "h100-80gb" if gib >= 60 else "a100-40gb"
+
+
+def resolve_settings(profile: str | None = None, **flags: Any) -> Settings:
+    """Defaults -> profile -> flags (flags that are ``None`` are left out)."""
+    settings = load_profile(profile or default_profile_name())
+    given = {k: v for k, v in flags.items() if v is not None}
+    if given:
+        # Errors from flags name the flag, not the profile file.
+        for key, value in given.items():
+            settings = apply(settings, {key: value}, f"--{key.replace('_', '-')}")
+    return settings

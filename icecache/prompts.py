@@ -1,0 +1,85 @@
+"""Prompts for the document tasks, and extraction of a chain-of-thought's final answer.
+
+Prompts are chat messages rendered with the model's own chat template. The document always comes
+before the task-specific part, so that several questions over one document share a token prefix
+and the document's KV cache is computed once.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+Messages = list[dict[str, str]]
+
+
+def summarize_messages(document: str) -> Messages:
+    return [
+        {
+            "role": "user",
+            "content": f"Here is a document.\n\n{document.strip()}\n\n"
+            "Write a concise summary of the document above in a few sentences.",
+        }
+    ]
+
+
+def qa_messages(document: str, question: str) -> Messages:
+    return [
+        {
+            "role": "user",
+            "content": f"Here is a document.\n\n{document.strip()}\n\n"
+            f"Answer this question about the document above: {question.strip()}",
+        }
+    ]
+
+
+def cot_messages(problem: str) -> Messages:
+    return [
+        {
+            "role": "user",
+            "content": f"{problem.strip()}\n\nSolve this step by step. Finish with a last line "
+            "of the form 'Answer: <final answer>'.",
+        }
+    ]
+
+
+def render(tokenizer: Any, messages: Messages) -> list[int]:
+    """Token ids of ``messages`` through the chat template, ready for the assistant's reply.
+
+    A tokenizer without a chat template (a base model) gets the plain contents followed by
+    ``Answer:``.
+    """
+    if getattr(tokenizer, "chat_template", None):
+        enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
+        return list(enc["input_ids"])
+    text = "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
+    return list(tokenizer(text)["input_ids"])
+
+
+_ANSWER_LINE = re.compile(r"(?:final answer|answer)\s*(?:is|:)\s*(.+)", re.IGNORECASE)
+_NUMBER = re.compile(r"-?\d[\d,]*(?:\.\d+)?")
+
+
+def _clean_number(s: str) -> str:
+    s = s.replace(",", "")
+    if "." in s:
+        s = s.rstrip("0").rstrip(".")
+    return s
+
+
+def extract_answer(text: str) -> str:
+    """The final answer of a step-by-step solution.
+
+    The last 'Answer: X' / 'the answer is X' wins; if X holds a number, that number (commas
+    dropped) is the answer; when X is a worked equation ('3 * 12 = 36'), the number after its last
+    '='. Without such a line, the last number in the text; else ''.
+    """
+    matches = _ANSWER_LINE.findall(text)
+    if matches:
+        tail = matches[-1].strip()
+        numbers = _NUMBER.findall(tail.rsplit("=", 1)[-1])
+        if numbers:
+            return _clean_number(numbers[0])
+        return tail.rstrip(". ").strip("*").strip()
+    numbers = _NUMBER.findall(text)
+    return _clean_number(numbers[-1]) if numbers else ""

@@ -1,0 +1,130 @@
+"""The document tasks: summarize, question answering, chain-of-thought.
+
+Each returns a :class:`TaskResult` with the text, token counts and timing; the CLI prints it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import prompts
+from .config import Settings
+from .errors import InputError
+from .generation import GenerationStats, Progress, Session
+from .methods import check_method
+from .models import LoadedModel
+
+# Greedy decoding of a small model loops in long free text; a mild penalty on already generated
+# tokens keeps summaries from repeating themselves. Extractive tasks (qa, cot) default to none.
+SUMMARY_REPETITION_PENALTY = 1.15
+
+
+@dataclass
+class TaskResult:
+    task: str
+    output: Any  # str, or list[str] for qa (one answer per question)
+    model: str
+    method: str
+    budget: int
+    tokens_in: int
+    tokens_out: int
+    seconds: float
+    answer: str | None = None  # cot only
+    questions: list[str] | None = None  # qa only
+    stats: list[GenerationStats] = field(default_factory=list)
+
+    def to_json(self) -> dict:
+        d = {
+            "task": self.task,
+            "output": self.output,
+            "tokens_in": self.tokens_in,
+            "tokens_out": self.tokens_out,
+            "model": self.model,
+            "method": self.method,
+            "budget": self.budget,
+            "seconds": round(self.seconds, 3),
+        }
+        if self.task == "cot":
+            d["answer"] = self.answer
+        if self.task == "qa":
+            d["questions"] = self.questions
+        return d
+
+
+class Runner:
+    """Runs tasks on one loaded model with one method and settings."""
+
+    def __init__(self, loaded: LoadedModel, settings: Settings, method: str = "full"):
+        self.loaded = loaded
+        self.settings = settings
+        self.method = check_method(method)
+        self.session = Session(loaded, settings, method)
+
+    @property
+    def context_limit(self) -> int:
+        return min(self.loaded.context_length, self.settings.max_context)
+
+    def _check_fits(self, ids: list[int], document: str, max_new_tokens: int) -> None:
+        limit = self.context_limit
+        if len(ids) + max_new_tokens <= limit:
+            return
+        doc_tokens = len(self.loaded.tokenizer(document)["input_ids"])
+        raise InputError(
+            f"document too long: {doc_tokens} tokens (prompt {len(ids)}) + {max_new_tokens} "
+            f"tokens of generation room exceed the limit of {limit} tokens of {self.loaded.name}; "
+            "shorten the document or lower --max-new-tokens"
+        )
+
+    def _run(self, messages, document, max_new_tokens, on_progress, repetition_penalty):
+        ids = prompts.render(self.loaded.tokenizer, messages)
+        self._check_fits(ids, document, max_new_tokens)
+        tokens, stats = self.session.generate(ids, max_new_tokens, on_progress, repetition_penalty)
+        text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
+        return text, stats
+
+    def _result(self, task: str, output: Any, stats: list[GenerationStats], t0: float, **kw) -> TaskResult:
+        return TaskResult(
+            task=task,
+            output=output,
+            model=self.loaded.name,
+            method=self.method,
+            budget=self.settings.budget,
+            tokens_in=sum(s.tokens_in for s in stats),
+            tokens_out=sum(s.tokens_out for s in stats),
+            seconds=time.perf_counter() - t0,
+            stats=stats,
+            **kw,
+        )
+
+    def summarize(self, document: str, max_new_tokens: int = 256, on_progress: Progress | None = None,
+                  repetition_penalty: float = SUMMARY_REPETITION_PENALTY) -> TaskResult:
+        t0 = time.perf_counter()
+        messages = prompts.summarize_messages(document)
+        text, stats = self._run(messages, document, max_new_tokens, on_progress, repetition_penalty)
+        return self._result("summarize", text, [stats], t0)
+
+    def qa(self, document: str, questions: list[str], max_new_tokens: int = 64, on_progress: Progress | None = None,
+           repetition_penalty: float = 1.0) -> TaskResult:
+        if not questions or any(not q.strip() for q in questions):
+            raise InputError("qa needs at least one non-empty question (-q/--question)")
+        t0 = time.perf_counter()
+        # Check every prompt before generating anything: no partial answers for a bad input.
+        for q in questions:
+            ids = prompts.render(self.loaded.tokenizer, prompts.qa_messages(document, q))
+            self._check_fits(ids, document, max_new_tokens)
+        answers, all_stats = [], []
+        for q in questions:
+            messages = prompts.qa_messages(document, q)
+            text, stats = self._run(messages, document, max_new_tokens, on_progress, repetition_penalty)
+            answers.append(text)
+            all_stats.append(stats)
+        return self._result("qa", answers, all_stats, t0, questions=list(questions))
+
+    def cot(self, problem: str, max_new_tokens: int = 512, on_progress: Progress | None = None,
+            repetition_penalty: float = 1.0) -> TaskResult:
+        t0 = time.perf_counter()
+        messages = prompts.cot_messages(problem)
+        text, stats = self._run(messages, problem, max_new_tokens, on_progress, repetition_penalty)
+        return self._result("cot", text, [stats], t0, answer=prompts.extract_answer(text))

@@ -1,0 +1,5 @@
+"""``python -m icecache_cli``."""
+
+from .app import main
+
+main()

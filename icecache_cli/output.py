@@ -1,0 +1,101 @@
+"""Where things are printed: results on stdout, everything else on stderr.
+
+``emit`` writes results and turns a closed pipe (``| head``) into a quiet exit. ``Reporter`` shows
+model loading, live progress (only on a terminal) and a one-line timing summary on stderr, all
+silenced by ``--quiet``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import sys
+from collections.abc import Iterator
+
+import typer
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+from icecache.errors import IceCacheError
+
+stderr = Console(stderr=True, highlight=False)
+
+
+def emit(text: str) -> None:
+    """Write a result to stdout. A reader that went away ends the program quietly."""
+    try:
+        sys.stdout.write(text if text.endswith("\n") else text + "\n")
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        raise typer.Exit(0) from None
+
+
+def silence_stdout() -> None:
+    """Point stdout at /dev/null so that the interpreter's final flush cannot fail again."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+
+
+def error(message: str) -> None:
+    stderr.print(f"icecache: error: {message}", markup=False, soft_wrap=True)
+
+
+@contextlib.contextmanager
+def user_errors() -> Iterator[None]:
+    """Turn :class:`IceCacheError` into one line on stderr and its exit code."""
+    try:
+        yield
+    except IceCacheError as exc:
+        error(str(exc))
+        raise typer.Exit(exc.exit_code) from None
+
+
+class Reporter:
+    """Progress and status on stderr."""
+
+    def __init__(self, quiet: bool = False):
+        self.quiet = quiet
+        self.live = not quiet and stderr.is_terminal
+        self._progress: Progress | None = None
+        self._tasks: dict[str, int] = {}
+
+    def info(self, message: str) -> None:
+        if not self.quiet:
+            stderr.print(message, style="dim", markup=False, soft_wrap=True)
+
+    def warn(self, message: str) -> None:
+        if not self.quiet:
+            stderr.print(f"icecache: warning: {message}", markup=False, soft_wrap=True)
+
+    def progress(self, phase: str, done: int, total: int) -> None:
+        if not self.live:
+            return
+        if self._progress is None:
+            self._progress = Progress(
+                TextColumn("{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TextColumn("tokens"),
+                TimeRemainingColumn(),
+                console=stderr,
+                transient=True,
+                redirect_stdout=False,
+                redirect_stderr=False,
+            )
+            self._progress.start()
+        if phase not in self._tasks:
+            self._tasks[phase] = self._progress.add_task(phase, total=total)
+        self._progress.update(self._tasks[phase], completed=done, total=total)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+            self._tasks.clear()
+
+    def __enter__(self) -> Reporter:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

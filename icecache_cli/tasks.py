@@ -1,0 +1,158 @@
+"""``icecache summarize``, ``icecache qa`` and ``icecache cot``: one document in, text out."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Annotated
+
+import typer
+
+from icecache.config import resolve_settings
+from icecache.documents import read_document
+from icecache.methods import check_method
+from icecache.models import check_device, load_model
+from icecache.tasks import SUMMARY_REPETITION_PENALTY, Runner, TaskResult
+
+from .output import Reporter, emit, user_errors
+
+FileArg = Annotated[
+    str | None,
+    typer.Argument(metavar="FILE", help="Document to read; '-' (or a pipe and no FILE) reads stdin.", show_default=False),
+]
+ModelOpt = Annotated[
+    str | None,
+    typer.Option("--model", "-m", help="HF model id (local cache), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
+]
+ProfileOpt = Annotated[
+    str | None,
+    typer.Option("--profile", "-p", help="Hardware profile name (see `icecache profiles`) or YAML path. Default: cpu without CUDA.", show_default=False),
+]
+MethodOpt = Annotated[str, typer.Option("--method", help="KV-cache method: full (ice and baselines: coming).")]
+BudgetOpt = Annotated[
+    int | None,
+    typer.Option("--budget", help="Tokens of selected KV pages per head (a multiple of the page size). Default: the profile's.", show_default=False),
+]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
+
+
+def _penalty_opt(default: float):
+    return Annotated[float, typer.Option("--repetition-penalty", min=1.0, max=2.0,
+                                         help="Penalty on repeating tokens already generated (1 = none).")]
+
+
+def _input_source(file: str | None) -> str:
+    """FILE, or stdin when piped; a terminal with no FILE prints help."""
+    if file is not None:
+        return file
+    if not sys.stdin.isatty():
+        return "-"
+    ctx = typer.get_current_context()
+    typer.echo(ctx.get_help(), err=True)
+    raise typer.Exit(2)
+
+
+def _set_threads(threads: int, reporter: Reporter) -> None:
+    import torch
+
+    cores = os.cpu_count() or 1
+    if threads > cores:
+        reporter.warn(f"profile asks for {threads} CPU threads, this machine has {cores}; using {cores}")
+    torch.set_num_threads(min(threads, cores) if threads else cores)
+
+
+def run_task(
+    file: str | None,
+    model: str | None,
+    profile: str | None,
+    method: str,
+    budget: int | None,
+    as_json: bool,
+    quiet: bool,
+    job: Callable[[Runner, str, Reporter], TaskResult],
+) -> None:
+    """Shared flow: validate settings, read the input, load the model, run, print."""
+    with user_errors(), Reporter(quiet) as reporter:
+        source = _input_source(file)
+        settings = resolve_settings(profile, budget=budget)
+        check_device(settings)
+        check_method(method)
+        text = read_document(source)
+        _set_threads(settings.cpu_threads, reporter)
+        loaded = load_model(model, settings, log=reporter.info)
+        reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
+        result = job(Runner(loaded, settings, method), text, reporter)
+        reporter.close()
+        for s in result.stats:
+            reporter.info(
+                f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s; "
+                f"{s.tokens_out} new tokens at {s.ms_per_token:.1f} ms/token"
+            )
+    if as_json:
+        emit(json.dumps(result.to_json(), ensure_ascii=False))
+    else:
+        emit(render_text(result))
+
+
+def render_text(result: TaskResult) -> str:
+    if result.task == "qa":
+        if len(result.output) == 1:
+            return result.output[0]
+        return "\n\n".join(f"Q: {q}\nA: {a}" for q, a in zip(result.questions, result.output, strict=True))
+    if result.task == "cot":
+        return f"{result.output}\nAnswer: {result.answer}"
+    return result.output
+
+
+def summarize(
+    file: FileArg = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")] = 256,
+    model: ModelOpt = None,
+    profile: ProfileOpt = None,
+    method: MethodOpt = "full",
+    budget: BudgetOpt = None,
+    repetition_penalty: _penalty_opt(SUMMARY_REPETITION_PENALTY) = SUMMARY_REPETITION_PENALTY,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Summarize a document."""
+    run_task(file, model, profile, method, budget, as_json, quiet,
+             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty))
+
+
+def qa(
+    file: FileArg = None,
+    question: Annotated[list[str], typer.Option("--question", "-q", help="A question about the document; repeat for several.")] = [],  # noqa: B006
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens per answer.")] = 64,
+    model: ModelOpt = None,
+    profile: ProfileOpt = None,
+    method: MethodOpt = "full",
+    budget: BudgetOpt = None,
+    repetition_penalty: _penalty_opt(1.0) = 1.0,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Answer questions about a document (the document is read once for all questions)."""
+    if not question:
+        raise typer.BadParameter("give at least one question with -q/--question", param_hint="'-q'")
+    run_task(file, model, profile, method, budget, as_json, quiet,
+             lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty))
+
+
+def cot(
+    file: FileArg = None,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")] = 512,
+    model: ModelOpt = None,
+    profile: ProfileOpt = None,
+    method: MethodOpt = "full",
+    budget: BudgetOpt = None,
+    repetition_penalty: _penalty_opt(1.0) = 1.0,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+) -> None:
+    """Reason step by step over a problem; the last line is the extracted final answer."""
+    run_task(file, model, profile, method, budget, as_json, quiet,
+             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty))
