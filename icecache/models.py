@@ -8,6 +8,8 @@ in about a second.
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import hashlib
 import importlib.util
 import json
@@ -119,13 +121,33 @@ def _hush_transformers() -> None:
     hf_logging.disable_progress_bar()
 
 
+@contextlib.contextmanager
+def _no_gguf_progress_bar():
+    """transformers' GGUF reader draws its own tqdm bar, outside its logging switches."""
+    try:
+        from transformers import modeling_gguf_pytorch_utils as gguf_utils
+    except ImportError:  # moved in another transformers release: the bar just shows
+        yield
+        return
+    original = getattr(gguf_utils, "tqdm", None)
+    if original is None:
+        yield
+        return
+    gguf_utils.tqdm = functools.partial(original, disable=True)
+    try:
+        yield
+    finally:
+        gguf_utils.tqdm = original
+
+
 def convert_gguf(source: Path, out_dir: Path) -> None:
     """Dequantize a GGUF file with transformers and save it as a plain safetensors model."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     _hush_transformers()
     tokenizer = AutoTokenizer.from_pretrained(str(source.parent), gguf_file=source.name)
-    model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
+    with _no_gguf_progress_bar():
+        model = AutoModelForCausalLM.from_pretrained(str(source.parent), gguf_file=source.name)
     # The weights are plain float tensors now; drop the GGUF quantizer so that they can be saved.
     model.hf_quantizer = None
     if hasattr(model.config, "quantization_config"):

@@ -1,0 +1,238 @@
+"""numba kernels of the DCI-tree: page insertion with splits, and the multi-level query.
+
+All kernels are ``nogil``, so that several heads' trees can be searched from threads at once.
+Each has a plain NumPy counterpart in ``icecache.index.reference`` that the tests compare against.
+
+Layout (one tree, one KV head; ``n`` points, ``D = head_dim + 1`` after the inner-product
+transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
+
+- ``X``: (cap, D) float32 transformed keys; ``proj``: (cap,) float32 projection on the tree's
+  random direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
+- ``first_page``: (cap + 1,) int32, a node's first child page (-1: none); ``node_size``:
+  (cap + 1,) int32 children per node.
+- pages: ``members`` (pcap, S) int32 point ids; ``count`` (pcap,); ``next_page`` (pcap,) the
+  node's next page in projection order; ``owner`` (pcap,) node id; ``lo``/``hi`` (pcap,) float32
+  projection range of the members; ``dirty`` (pcap,) bool.
+- ``tok_page``/``tok_slot``: (cap,) int32, where each point sits.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit
+
+
+@njit(nogil=True, cache=True)
+def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty, first_page,
+                 node_size, tok_page, tok_slot, npages):
+    """Put point ``i`` among ``node``'s children; return the new page count.
+
+    The page whose projection range covers ``proj[i]`` takes it (pages of a node are disjoint,
+    ordered runs along the projection). A full page is first split in half along the
+    projection. Changed pages are marked dirty.
+    """
+    S = members.shape[1]
+    p = proj[i]
+    pg = first_page[node]
+    if pg < 0:
+        pg = npages
+        npages += 1
+        first_page[node] = pg
+        next_page[pg] = -1
+        owner[pg] = node
+        count[pg] = 0
+        lo[pg] = p
+        hi[pg] = p
+    else:
+        # The last page whose range starts at or below p (or the first page).
+        nxt = next_page[pg]
+        while nxt >= 0 and lo[nxt] <= p:
+            pg = nxt
+            nxt = next_page[pg]
+    if count[pg] == S:
+        # Split: members sorted by projection, upper half to a new page right after this one.
+        c = count[pg]
+        vals = np.empty(c, np.float32)
+        for s in range(c):
+            vals[s] = proj[members[pg, s]]
+        order = np.argsort(vals, kind="mergesort")
+        tmp = members[pg, :c].copy()
+        new = npages
+        npages += 1
+        half = c // 2
+        for s in range(half):
+            members[pg, s] = tmp[order[s]]
+        for s in range(c - half):
+            members[new, s] = tmp[order[half + s]]
+        count[pg] = half
+        count[new] = c - half
+        next_page[new] = next_page[pg]
+        next_page[pg] = new
+        owner[new] = node
+        dirty[pg] = True
+        dirty[new] = True
+        for s in range(half):
+            tok_page[members[pg, s]] = pg
+            tok_slot[members[pg, s]] = s
+        for s in range(c - half):
+            tok_page[members[new, s]] = new
+            tok_slot[members[new, s]] = s
+        lo[pg] = proj[members[pg, 0]]
+        hi[pg] = proj[members[pg, half - 1]]
+        lo[new] = proj[members[new, 0]]
+        hi[new] = proj[members[new, c - half - 1]]
+        if p >= lo[new]:
+            pg = new
+    s = count[pg]
+    members[pg, s] = i
+    count[pg] = s + 1
+    tok_page[i] = pg
+    tok_slot[i] = s
+    if p < lo[pg]:
+        lo[pg] = p
+    if p > hi[pg]:
+        hi[pg] = p
+    dirty[pg] = True
+    node_size[node] += 1
+    return npages
+
+
+@njit(nogil=True, cache=True)
+def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi, node_size,
+               visit_frac, out_ids, out_scores, m):
+    """Score ``node``'s children against ``v``, walking its pages outward from ``vproj``.
+
+    Pages nearest to the query's projection come first (prioritized DCI at page granularity);
+    the walk stops once ``visit_frac`` of the node's children were scored. Returns the new
+    fill of ``out_ids``/``out_scores``.
+    """
+    pg = first_page[node]
+    if pg < 0:
+        return m
+    # Collect the node's pages in order (nodes have few pages: ~ children / page_size).
+    npg = 0
+    q = pg
+    while q >= 0:
+        npg += 1
+        q = next_page[q]
+    pages = np.empty(npg, np.int32)
+    q = pg
+    j = 0
+    start = 0
+    while q >= 0:
+        pages[j] = q
+        if lo[q] <= vproj:
+            start = j
+        j += 1
+        q = next_page[q]
+    need = node_size[node] * visit_frac
+    done = 0
+    left = start - 1
+    right = start
+    D = X.shape[1]
+    while done < need and (left >= 0 or right < npg):
+        if right >= npg:
+            take = left
+            left -= 1
+        elif left < 0:
+            take = right
+            right += 1
+        else:
+            gap_l = vproj - hi[pages[left]]
+            gap_r = lo[pages[right]] - vproj
+            if gap_r < 0.0:
+                gap_r = 0.0
+            if gap_l <= gap_r:
+                take = left
+                left -= 1
+            else:
+                take = right
+                right += 1
+        pgt = pages[take]
+        for s in range(count[pgt]):
+            i = members[pgt, s]
+            acc = 0.0
+            for d in range(D):
+                acc += X[i, d] * v[d]
+            out_ids[m] = i
+            out_scores[m] = acc
+            m += 1
+        done += count[pgt]
+    return m
+
+
+@njit(nogil=True, cache=True)
+def topk_indices(scores, k):
+    """Indices of the ``k`` largest ``scores``, largest first (ties: lower index first)."""
+    n = scores.shape[0]
+    if k >= n:
+        return np.argsort(-scores, kind="mergesort")
+    thr = -np.partition(-scores, k - 1)[k - 1]
+    sel = np.empty(k, np.int64)
+    m = 0
+    for i in range(n):
+        if scores[i] > thr:
+            sel[m] = i
+            m += 1
+    for i in range(n):
+        if m >= k:
+            break
+        if scores[i] == thr:
+            sel[m] = i
+            m += 1
+    order = np.argsort(-scores[sel], kind="mergesort")
+    return sel[order]
+
+
+@njit(nogil=True, cache=True)
+def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, X, level, first_page,
+               next_page, members, count, lo, hi, node_size, scratch_ids, scratch_scores):
+    """Multi-level search: the ``k`` points of largest ``<x, v>``.
+
+    From the root down, the ``beam`` best points of each level are expanded into their
+    children. ``target_level`` >= 0 returns only points of that level (parent search, which
+    stops there); -1 returns points of every level visited (page selection).
+    ``scratch_*`` hold at least n entries. Returns (ids, scores), best first; fewer than ``k``
+    when the tree holds fewer.
+    """
+    frontier = np.zeros(1, np.int32)  # node ids; the root
+    stop = target_level if target_level >= 0 else 0
+    kept = 0  # scratch[:kept] is the pool of returned candidates
+    lvl = top_level
+    while lvl >= stop:
+        m = kept
+        for f in range(frontier.shape[0]):
+            m = _scan_node(frontier[f], v, vproj, X, first_page, next_page, members, count, lo,
+                           hi, node_size, visit_frac, scratch_ids, scratch_scores, m)
+        seg = scratch_scores[kept:m]
+        if lvl > stop and m > kept:
+            best = topk_indices(seg, min(beam, m - kept))
+            frontier = np.empty(best.shape[0], np.int32)
+            for t in range(best.shape[0]):
+                frontier[t] = scratch_ids[kept + best[t]] + 1
+        if target_level < 0 or lvl == target_level:
+            kept = m
+        lvl -= 1
+    kk = min(k, kept)
+    order = topk_indices(scratch_scores[:kept], kk)
+    return scratch_ids[:kept][order].copy(), scratch_scores[:kept][order].copy()
+
+
+@njit(nogil=True, cache=True)
+def ranked_pages(ids, tok_page, max_pages):
+    """Distinct pages of ``ids`` (best first), in order of their best member, at most ``max_pages``."""
+    out = np.empty(min(max_pages, ids.shape[0]), np.int32)
+    m = 0
+    for t in range(ids.shape[0]):
+        if m >= max_pages:
+            break
+        p = tok_page[ids[t]]
+        seen = False
+        for j in range(m):
+            if out[j] == p:
+                seen = True
+                break
+        if not seen:
+            out[m] = p
+            m += 1
+    return out[:m]

@@ -1,0 +1,302 @@
+"""The DCI-tree of one KV head: build, insert, query (IceCache paper, section 4, Algorithms 2-4).
+
+Keys go through the max-inner-product transform ``k -> [k, sqrt(M - |k|^2)]`` (``M`` the running
+max squared norm), so that the largest inner product with a query ``q`` is the nearest point to
+``[q / |q|, 0]``; all transformed keys have norm ``sqrt(M)``. Points get a level by promotion
+(deterministic 1-in-N or seeded random), a parent = the nearest point one level up, and sit in a
+page among their siblings: pages are runs of at most ``page_size`` children of one node,
+contiguous along a random projection direction (orthogonal to the extra coordinate, so a change of
+``M`` never reorders them).
+
+Memory per indexed key (head_dim 64, float32): 65 x 4 B transformed key + 4 B projection + 1 B
+level + 3 x 4 B parent/page/slot + 4 B node first page + 4 B node size + 8 B position, plus
+about 4 x 16 / 12 B of page table (pages are ~3/4 full on average): about 306 B, i.e. 1.2x the raw
+key (256 B). Values are not held here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+from . import kernels
+
+MAX_LEVELS = 12
+
+
+@dataclass(frozen=True)
+class IndexConfig:
+    """How a tree is built and searched.
+
+    ``ratio_bottom`` / ``ratio_upper``: share of points promoted from the bottom level and from
+    each higher level. ``promotion``: ``deterministic`` (every 1/ratio-th point in insertion
+    order) or ``random`` (independent draws with ``seed``). ``exact_parent_max``: a level above
+    with at most this many points is searched exactly for parents, else with the tree.
+    ``beam``: nodes expanded per level in a query (at least; ``beam_frac`` x n if larger).
+    ``visit_frac``: share of an expanded node's children scored (nearest projections first).
+    """
+
+    page_size: int = 16
+    ratio_bottom: float = 0.01
+    ratio_upper: float = 0.2
+    promotion: str = "deterministic"
+    seed: int = 0
+    exact_parent_max: int = 3000
+    beam: int = 30
+    beam_frac: float = 0.001
+    visit_frac: float = 1.0
+    parent_beam: int = 8
+
+    def __post_init__(self):
+        if self.promotion not in ("deterministic", "random"):
+            raise ValueError("promotion must be 'deterministic' or 'random'")
+        if not (0 < self.ratio_bottom < 1 and 0 < self.ratio_upper < 1):
+            raise ValueError("promotion ratios must be in (0, 1)")
+        if self.page_size < 2:
+            raise ValueError("page_size must be >= 2")
+
+
+class DCITree:
+    """Index over the keys of one KV head. Point ids are 0..n-1 in insertion order."""
+
+    def __init__(self, head_dim: int, config: IndexConfig | None = None, capacity: int = 1024):
+        self.cfg = config or IndexConfig()
+        self.d = head_dim
+        self.D = head_dim + 1
+        self.n = 0
+        self.npages = 0
+        self.top_level = -1
+        self.M = 0.0
+        self._rng = np.random.default_rng(self.cfg.seed)
+        u = np.random.default_rng(self.cfg.seed + 7919).standard_normal(self.D)
+        u[-1] = 0.0
+        self.u = (u / np.linalg.norm(u)).astype(np.float32)
+        self._alloc(max(16, capacity))
+
+    # -- storage ----------------------------------------------------------------------------
+    def _alloc(self, cap: int) -> None:
+        S = self.cfg.page_size
+        pcap = cap + 8  # every page holds >= 1 point: at most n pages
+        self.X = np.zeros((cap, self.D), np.float32)
+        self.sqnorm = np.zeros(cap, np.float32)
+        self.proj = np.zeros(cap, np.float32)
+        self.level = np.zeros(cap, np.int8)
+        self.parent = np.full(cap, -1, np.int32)
+        self.pos = np.zeros(cap, np.int64)
+        self.tok_page = np.full(cap, -1, np.int32)
+        self.tok_slot = np.full(cap, -1, np.int32)
+        self.first_page = np.full(cap + 1, -1, np.int32)
+        self.node_size = np.zeros(cap + 1, np.int32)
+        self.members = np.full((pcap, S), -1, np.int32)
+        self.count = np.zeros(pcap, np.int32)
+        self.next_page = np.full(pcap, -1, np.int32)
+        self.owner = np.full(pcap, -1, np.int32)
+        self.lo = np.zeros(pcap, np.float32)
+        self.hi = np.zeros(pcap, np.float32)
+        self.dirty = np.zeros(pcap, np.bool_)
+        self.cap = cap
+
+    def _grow(self, need: int) -> None:
+        if need <= self.cap:
+            return
+        cap = self.cap
+        while cap < need:
+            cap *= 2
+        old = {name: getattr(self, name) for name in (
+            "X", "sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot", "first_page",
+            "node_size", "members", "count", "next_page", "owner", "lo", "hi", "dirty")}
+        self._alloc(cap)
+        for name, arr in old.items():
+            getattr(self, name)[: arr.shape[0]] = arr
+
+    # -- levels -------------------------------------------------------------------------------
+    def _levels(self, start: int, n: int) -> np.ndarray:
+        """Levels of points ``start .. start+n-1`` (insertion counters)."""
+        out = np.zeros(n, np.int8)
+        if self.cfg.promotion == "deterministic":
+            step0 = max(2, round(1 / self.cfg.ratio_bottom))
+            step1 = max(2, round(1 / self.cfg.ratio_upper))
+            for j in range(n):
+                g = start + j + 1
+                if g % step0:
+                    continue
+                lvl, g = 1, g // step0
+                while g % step1 == 0 and lvl < MAX_LEVELS - 1:
+                    lvl, g = lvl + 1, g // step1
+                out[j] = lvl
+        else:
+            draws = self._rng.random((n, MAX_LEVELS - 1))
+            ratios = np.array([self.cfg.ratio_bottom] + [self.cfg.ratio_upper] * (MAX_LEVELS - 2))
+            promoted = draws < ratios
+            # level = number of leading successful promotions
+            out[:] = np.argmin(np.concatenate([promoted, np.zeros((n, 1), bool)], 1), axis=1)
+        return out
+
+    # -- transform ----------------------------------------------------------------------------
+    def _set_keys(self, ids: np.ndarray, keys: np.ndarray) -> None:
+        sq = np.einsum("ij,ij->i", keys, keys).astype(np.float32)
+        self.sqnorm[ids] = sq
+        new_m = float(sq.max()) if sq.size else 0.0
+        if new_m > self.M:
+            self.M = new_m
+            # Correct every stored extra coordinate for the new maximum.
+            live = slice(0, self.n)
+            self.X[live, -1] = np.sqrt(np.maximum(self.M - self.sqnorm[live], 0.0))
+        self.X[ids, :-1] = keys
+        self.X[ids, -1] = np.sqrt(np.maximum(self.M - sq, 0.0))
+        self.proj[ids] = self.X[ids] @ self.u
+
+    # -- building -----------------------------------------------------------------------------
+    def insert(self, keys: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
+        """Index a batch of keys (m, head_dim); return the pages changed (dirty) by it.
+
+        The first call on an empty tree builds it level by level (Algorithm 2); later calls
+        insert point by point with the same level and parent rules.
+        """
+        keys = np.ascontiguousarray(keys, dtype=np.float32)
+        if keys.ndim != 2 or keys.shape[1] != self.d:
+            raise ValueError(f"keys must be (m, {self.d}), got {keys.shape}")
+        m = keys.shape[0]
+        if positions is None:
+            positions = np.arange(self.n, self.n + m)
+        self.dirty[:] = False
+        if m == 0:
+            return np.empty(0, np.int32)
+        self._grow(self.n + m)
+        ids = np.arange(self.n, self.n + m, dtype=np.int32)
+        levels = self._levels(self.n, m)
+        self.pos[ids] = positions
+        self.level[ids] = levels
+        self.n += m
+        self._set_keys(ids, keys)
+        # Levels top-down: a point's parent exists before the point itself is placed.
+        for lvl in sorted(set(levels.tolist()), reverse=True):
+            self._place(ids[levels == lvl], lvl)
+        return np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
+
+    def _place(self, ids: np.ndarray, lvl: int) -> None:
+        """Attach points of one level: under the root at the top, else under their parents."""
+        root = np.zeros(len(ids), np.int32)
+        if lvl > self.top_level:
+            old_top = self.top_level
+            self.top_level = lvl
+            # The root's children (the old top level) move under the new, higher level.
+            orphans = self._detach_root()
+            self._attach(ids, root)
+            if len(orphans):
+                self._attach(orphans, self._parents(orphans, old_top))
+        elif lvl == self.top_level:
+            self._attach(ids, root)
+        else:
+            self._attach(ids, self._parents(ids, lvl))
+
+    def _detach_root(self) -> np.ndarray:
+        """Retire the root's pages; return the points they held (the caller re-attaches them)."""
+        held = []
+        pg = self.first_page[0]
+        while pg >= 0:
+            held.append(self.members[pg, : self.count[pg]].copy())
+            for s in range(self.count[pg]):
+                self.tok_page[self.members[pg, s]] = -1
+            self.count[pg] = 0
+            self.dirty[pg] = True
+            nxt = self.next_page[pg]
+            self.next_page[pg] = -1
+            self.owner[pg] = -2  # retired
+            pg = nxt
+        self.first_page[0] = -1
+        self.node_size[0] = 0
+        return np.concatenate(held) if held else np.empty(0, np.int32)
+
+    def _parents(self, ids: np.ndarray, lvl: int) -> np.ndarray:
+        """Node ids of the nearest points one level up (the nearest existing higher level)."""
+        up = lvl + 1
+        while up <= self.top_level and not np.any(self.level[: self.n] == up):
+            up += 1
+        if up > self.top_level:
+            return np.zeros(len(ids), np.int32)
+        cand = np.flatnonzero(self.level[: self.n] == up).astype(np.int32)
+        if len(cand) <= self.cfg.exact_parent_max or up == self.top_level:
+            out = np.empty(len(ids), np.int32)
+            C = self.X[cand]
+            for lo in range(0, len(ids), 4096):
+                block = ids[lo : lo + 4096]
+                out[lo : lo + len(block)] = cand[np.argmax(self.X[block] @ C.T, axis=1)] + 1
+            return out
+        out = np.empty(len(ids), np.int32)
+        sid, ssc = self._scratch()
+        for j, i in enumerate(ids):
+            v = self.X[i]
+            got, _ = kernels.query_tree(
+                v, np.float32(v @ self.u), self.top_level, up, 1, self.cfg.parent_beam,
+                self.cfg.visit_frac, self.X, self.level, self.first_page, self.next_page,
+                self.members, self.count, self.lo, self.hi, self.node_size, sid, ssc)
+            out[j] = got[0] + 1 if len(got) else 0
+        return out
+
+    def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
+        self.parent[ids] = parents
+        if len(ids) > 64:
+            # Bulk: children of one node in projection order; insert in that order so that
+            # pages fill left to right (the same structure the point-by-point rule gives).
+            order = np.lexsort((self.proj[ids], parents))
+            ids, parents = ids[order], parents[order]
+        npages = self.npages
+        for i, p in zip(ids.tolist(), parents.tolist(), strict=True):
+            npages = kernels.insert_child(
+                i, p, self.proj, self.members, self.count, self.next_page, self.owner, self.lo,
+                self.hi, self.dirty, self.first_page, self.node_size, self.tok_page,
+                self.tok_slot, npages)
+        self.npages = npages
+
+    def _scratch(self):
+        return np.empty(self.n, np.int32), np.empty(self.n, np.float32)
+
+    # -- queries ------------------------------------------------------------------------------
+    def beam_for(self) -> int:
+        return max(self.cfg.beam, int(self.cfg.beam_frac * self.n))
+
+    def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Top-``k`` points by inner product for each query (h, head_dim): ids and scores (h, k).
+
+        Rows are padded with -1 / -inf when fewer than ``k`` points were found.
+        """
+        queries = np.atleast_2d(np.asarray(queries, np.float32))
+        h = queries.shape[0]
+        ids = np.full((h, k), -1, np.int32)
+        scores = np.full((h, k), -np.inf, np.float32)
+        if self.n == 0:
+            return ids, scores
+        sid, ssc = self._scratch()
+        beam = self.beam_for()
+        for r in range(h):
+            q = queries[r]
+            v = np.zeros(self.D, np.float32)
+            v[:-1] = q / max(float(np.linalg.norm(q)), 1e-12)
+            got, sc = kernels.query_tree(
+                v, np.float32(v @ self.u), self.top_level, -1, k, beam, self.cfg.visit_frac,
+                self.X, self.level, self.first_page, self.next_page, self.members, self.count,
+                self.lo, self.hi, self.node_size, sid, ssc)
+            ids[r, : len(got)] = got
+            scores[r, : len(got)] = sc * np.linalg.norm(q)  # back to <k, q>
+        return ids, scores
+
+    def select_pages(self, queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
+        """For each query, the distinct pages holding its top-``k`` keys, best first."""
+        ids, _ = self.search(queries, k)
+        return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
+
+    # -- introspection --------------------------------------------------------------------------
+    def live_pages(self) -> np.ndarray:
+        return np.flatnonzero(self.owner[: self.npages] >= 0).astype(np.int32)
+
+    def page_tokens(self, page: int) -> np.ndarray:
+        """Point ids held by ``page``, in slot order."""
+        return self.members[page, : self.count[page]].copy()
+
+    def nbytes(self) -> int:
+        arrays = (self.X, self.sqnorm, self.proj, self.level, self.parent, self.pos, self.tok_page,
+                  self.tok_slot, self.first_page, self.node_size, self.members, self.count,
+                  self.next_page, self.owner, self.lo, self.hi, self.dirty)
+        return int(sum(a.nbytes for a in arrays))

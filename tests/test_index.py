@@ -1,0 +1,166 @@
+"""The DCI-tree: structural invariants, exactness of the kernels against NumPy references, recall."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from icecache.index import DCITree, IndexConfig, kernels, merge_group_pages
+from icecache.index.reference import exact_topk, mip_transform, nearest, ranked_pages
+
+
+def clustered(n: int, d: int = 16, clusters: int = 12, seed: int = 0, scale: float = 3.0):
+    rng = np.random.default_rng(seed)
+    centers = rng.standard_normal((clusters, d)) * scale
+    return (centers[rng.integers(0, clusters, n)] + rng.standard_normal((n, d))).astype(np.float32)
+
+
+def check_invariants(t: DCITree) -> None:
+    n, S = t.n, t.cfg.page_size
+    live = t.live_pages()
+    seen = np.zeros(n, np.int64)
+    for p in live:
+        c = t.count[p]
+        assert 1 <= c <= S
+        for s, i in enumerate(t.members[p, :c]):
+            seen[i] += 1
+            assert t.tok_page[i] == p and t.tok_slot[i] == s
+            assert t.parent[i] == t.owner[p]  # a page holds siblings only
+    assert (seen == 1).all(), "every token sits in exactly one page"
+    assert t.count[live].sum() == n
+    for i in range(n):
+        par = t.parent[i]
+        if t.level[i] == t.top_level:
+            assert par == 0
+        else:
+            assert par > 0 and t.level[par - 1] > t.level[i]
+    # A node's pages are disjoint runs, ordered along the projection; sizes add up.
+    for node in range(n + 1):
+        pg, prev_hi, total = t.first_page[node], -np.inf, 0
+        while pg >= 0:
+            vals = t.proj[t.members[pg, : t.count[pg]]]
+            assert vals.min() >= prev_hi and t.lo[pg] == vals.min() and t.hi[pg] == vals.max()
+            prev_hi, total, pg = vals.max(), total + t.count[pg], t.next_page[pg]
+        assert total == t.node_size[node]
+    # Every transformed key has squared norm M (the inner-product transform).
+    norms = (t.X[:n].astype(np.float64) ** 2).sum(1)
+    np.testing.assert_allclose(norms, t.M, rtol=1e-4)
+
+
+@pytest.mark.parametrize("promotion", ["deterministic", "random"])
+def test_build_invariants_and_exact_parents(promotion):
+    keys = clustered(3000)
+    cfg = IndexConfig(page_size=8, promotion=promotion, ratio_bottom=0.05, ratio_upper=0.25, seed=3)
+    t = DCITree(16, cfg)
+    dirty = t.insert(keys)
+    assert set(dirty.tolist()) == set(t.live_pages().tolist())
+    assert t.top_level >= 2
+    check_invariants(t)
+    # Build-time parents are the exact nearest points one level up (transformed space).
+    X = mip_transform(keys.astype(np.float64))
+    for lvl in range(t.top_level):
+        kids = np.flatnonzero(t.level[: t.n] == lvl)
+        ups = np.flatnonzero(t.level[: t.n] == lvl + 1)
+        if len(ups) == 0 or len(kids) == 0:
+            continue
+        ref = ups[nearest(X[kids], X[ups])]
+        got = t.parent[kids] - 1
+        # Ties/rounding aside, the parent's distance equals the nearest one.
+        d_got = ((X[kids] - X[got]) ** 2).sum(1)
+        d_ref = ((X[kids] - X[ref]) ** 2).sum(1)
+        np.testing.assert_allclose(d_got, d_ref, rtol=1e-4, atol=1e-4)
+
+
+def test_deterministic_levels_follow_one_in_n():
+    t = DCITree(16, IndexConfig(ratio_bottom=0.01, ratio_upper=0.2))
+    t.insert(clustered(5000))
+    levels = t.level[: t.n]
+    assert (levels >= 1).sum() == 50 and (levels >= 2).sum() == 10 and (levels >= 3).sum() == 2
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    batches=st.lists(st.integers(1, 40), min_size=5, max_size=60),
+    growth=st.floats(1.0, 1.5),
+    promotion=st.sampled_from(["deterministic", "random"]),
+)
+def test_invariants_after_random_inserts(seed, batches, growth, promotion):
+    cfg = IndexConfig(page_size=4, ratio_bottom=0.1, ratio_upper=0.3, promotion=promotion, seed=seed)
+    t = DCITree(8, cfg)
+    rng = np.random.default_rng(seed)
+    t.insert(clustered(200, d=8, seed=seed))
+    scale = 1.0
+    for b in batches:
+        scale *= growth  # growing norms: M rises and the extra coordinate is corrected
+        before = {p: t.page_tokens(p).tolist() for p in t.live_pages()}
+        new = t.n + np.arange(b)
+        dirty = set(t.insert((rng.standard_normal((b, 8)) * scale).astype(np.float32)).tolist())
+        assert {int(t.tok_page[i]) for i in new} <= dirty  # pages that took new keys are dirty
+        for p in t.live_pages():  # any page whose content changed is reported
+            if before.get(int(p)) != t.page_tokens(p).tolist():
+                assert int(p) in dirty
+    check_invariants(t)
+
+
+def test_search_with_full_beam_is_exact():
+    keys = clustered(2000, seed=5)
+    t = DCITree(16, IndexConfig(page_size=8, beam=10_000, ratio_bottom=0.05))
+    t.insert(keys)
+    queries = clustered(6, seed=9)
+    ids, scores = t.search(queries, 32)
+    for r, q in enumerate(queries):
+        ref = exact_topk(keys, q, 32)
+        assert set(ids[r].tolist()) == set(ref.tolist())
+        np.testing.assert_allclose(scores[r], keys[ids[r]] @ q, rtol=1e-4, atol=1e-3)
+        assert (np.diff(scores[r]) <= 1e-5).all()  # best first
+
+
+def test_recall_on_clustered_data():
+    keys = clustered(20_000, d=32, clusters=64, seed=1)
+    t = DCITree(32)
+    t.insert(keys)
+    queries = clustered(20, d=32, clusters=64, seed=2)
+    ids, _ = t.search(queries, 64)
+    recall = np.mean([len(set(ids[r]) & set(exact_topk(keys, q, 64))) / 64 for r, q in enumerate(queries)])
+    assert recall >= 0.9
+
+
+def test_fixed_seed_same_result():
+    keys = clustered(3000, seed=4)
+    q = clustered(4, seed=8)
+    outs = []
+    for _ in range(2):
+        t = DCITree(16, IndexConfig(promotion="random", seed=11))
+        t.insert(keys[:2000])
+        t.insert(keys[2000:])
+        outs.append((t.search(q, 16)[0], t.parent[: t.n].copy(), t.tok_page[: t.n].copy()))
+    for a, b in zip(outs[0], outs[1], strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_topk_kernel_matches_argsort():
+    rng = np.random.default_rng(0)
+    for n, k in [(10, 3), (100, 100), (1000, 17), (50, 60)]:
+        s = rng.integers(0, 20, n).astype(np.float32)  # many ties
+        got = kernels.topk_indices(s, k)
+        ref = np.argsort(-s, kind="stable")[:k]
+        np.testing.assert_array_equal(s[got], s[ref])
+        assert len(set(got.tolist())) == len(got)
+
+
+def test_ranked_pages_kernel_matches_reference():
+    rng = np.random.default_rng(1)
+    tok_page = rng.integers(0, 30, 500).astype(np.int32)
+    ids = rng.permutation(500)[:200].astype(np.int32)
+    for cap in (1, 5, 12, 100):
+        assert kernels.ranked_pages(ids, tok_page, cap).tolist() == ranked_pages(ids, tok_page, cap)
+
+
+def test_gqa_merge_rank_by_rank():
+    lists = [np.array([5, 1, 9]), np.array([5, 2, 7, 8]), np.array([3, 1])]
+    assert merge_group_pages(lists, 10).tolist() == [5, 3, 1, 2, 9, 7, 8]
+    assert merge_group_pages(lists, 3).tolist() == [5, 3, 1]
+    assert merge_group_pages([], 4).tolist() == []
