@@ -97,7 +97,7 @@ def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty,
     return npages
 
 
-@njit(nogil=True, cache=True)
+@njit(nogil=True, cache=True, fastmath=True)
 def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi, node_size,
                visit_frac, out_ids, out_scores, m):
     """Score ``node``'s children against ``v``, walking its pages outward from ``vproj``.
@@ -151,7 +151,7 @@ def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi,
         pgt = pages[take]
         for s in range(count[pgt]):
             i = members[pgt, s]
-            acc = 0.0
+            acc = np.float32(0.0)
             for d in range(D):
                 acc += X[i, d] * v[d]
             out_ids[m] = i

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``icecache bench``: measured figures, ratios taken within one run."""

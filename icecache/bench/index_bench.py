@@ -1,0 +1,152 @@
+"""``icecache bench index``: the DCI-tree against exact search, Quest and sink+window.
+
+For each captured layer and KV head, the middle keys (between the sink and window pages) are
+indexed; each decode query picks pages at a budget; the figure of merit is the share of the
+query's full softmax attention mass that falls on sink + window + the selected tokens.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from icecache.index import DCITree, IndexConfig, merge_group_pages
+
+METHODS = ("ice", "oracle_pages", "exact_topk", "quest", "sink_window")
+
+
+@dataclass
+class IndexBenchResult:
+    keys: int
+    budgets: list[int]
+    mass: dict[int, dict[str, list[float]]] = field(default_factory=dict)
+    recall: dict[int, list[float]] = field(default_factory=dict)
+    query_s: dict[str, float] = field(default_factory=lambda: {"ice": 0.0, "exact": 0.0})
+    queries_timed: int = 0
+    build_s: float = 0.0
+    built_keys: int = 0
+    insert_s: float = 0.0
+    inserted_keys: int = 0
+    index_bytes: int = 0
+
+    def summary(self, budget: int = 256) -> dict:
+        b = budget if budget in self.mass else self.budgets[-1]
+        ice_us = 1e6 * self.query_s["ice"] / max(1, self.queries_timed)
+        exact_us = 1e6 * self.query_s["exact"] / max(1, self.queries_timed)
+        return {
+            "keys": self.keys,
+            "budget": b,
+            "attention_mass": {m: float(np.mean(v)) for m, v in self.mass[b].items()},
+            "attention_mass_by_budget": {
+                str(bb): {m: float(np.mean(v)) for m, v in d.items()} for bb, d in self.mass.items()
+            },
+            "recall_at_64": float(np.mean(self.recall[64])),
+            "recall_at_256": float(np.mean(self.recall[256])),
+            "query_us_per_head": {"ice": ice_us, "exact": exact_us},
+            "speedup_vs_exact": exact_us / ice_us if ice_us else 0.0,
+            "build_us_per_key": 1e6 * self.build_s / max(1, self.built_keys),
+            "insert_us_per_key": 1e6 * self.insert_s / max(1, self.inserted_keys),
+            "bytes_per_key": self.index_bytes / max(1, self.built_keys + self.inserted_keys),
+        }
+
+
+def quest_pages(mid_keys: np.ndarray, q: np.ndarray, page_size: int, max_pages: int) -> np.ndarray:
+    """Quest: token-order pages, score = sum_i max(q_i min_i, q_i max_i), best pages first."""
+    n = mid_keys.shape[0] // page_size * page_size
+    pages = mid_keys[:n].reshape(-1, page_size, mid_keys.shape[1])
+    tail = mid_keys[n:]
+    lo, hi = pages.min(1), pages.max(1)
+    if len(tail):
+        lo = np.concatenate([lo, tail.min(0, keepdims=True)])
+        hi = np.concatenate([hi, tail.max(0, keepdims=True)])
+    score = np.maximum(lo * q, hi * q).sum(1)
+    return np.argsort(-score, kind="stable")[:max_pages]
+
+
+def _mass(p: np.ndarray, fixed: np.ndarray, chosen: np.ndarray) -> float:
+    sel = np.zeros(p.shape[0], bool)
+    sel[fixed] = True
+    sel[chosen] = True
+    return float(p[sel].sum())
+
+
+def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page_size: int,
+              sink_pages: int, window_pages: int, cfg: IndexConfig) -> None:
+    """keys (kv_heads, n, d), queries (heads, steps, d) of one layer."""
+    kv_heads, n, d = keys.shape
+    heads, steps, _ = queries.shape
+    group = heads // kv_heads
+    sink, window = sink_pages * page_size, window_pages * page_size
+    mid = np.arange(sink, n - window)
+    fixed = np.concatenate([np.arange(sink), np.arange(n - window, n)])
+    torch.set_num_threads(1)
+    for kvh in range(kv_heads):
+        K = keys[kvh]
+        M = np.ascontiguousarray(K[mid])
+        tree = DCITree(d, cfg, capacity=len(mid))
+        n_build = len(mid) - len(mid) // 10
+        t0 = time.perf_counter()
+        tree.insert(M[:n_build])
+        res.build_s += time.perf_counter() - t0
+        res.built_keys += n_build
+        t0 = time.perf_counter()
+        for lo in range(n_build, len(mid), page_size):  # the rest arrives a window page at a time
+            tree.insert(M[lo : lo + page_size])
+        res.insert_s += time.perf_counter() - t0
+        res.inserted_keys += len(mid) - n_build
+        res.index_bytes += tree.nbytes()
+        Mt = torch.from_numpy(M)
+        page_of = tree.tok_page[: tree.n]
+        live = tree.live_pages()
+        for step in range(steps):
+            qs = queries[kvh * group : (kvh + 1) * group, step]
+            probs = []
+            for q in qs:
+                s = K @ q / np.sqrt(d)
+                e = np.exp(s - s.max())
+                probs.append(e / e.sum())
+            # Timed: the index's top-k search vs exact scoring + top-k, per query head.
+            t0 = time.perf_counter()
+            ids, _ = tree.search(qs, max(res.budgets))
+            res.query_s["ice"] += time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for q in qs:
+                torch.topk(Mt @ torch.from_numpy(q), max(res.budgets))
+            res.query_s["exact"] += time.perf_counter() - t0
+            res.queries_timed += len(qs)
+            exact_scores = [M @ q for q in qs]
+            for k in (64, 256):
+                for r, sc in enumerate(exact_scores):
+                    ref = np.argsort(-sc, kind="stable")[:k]
+                    res.recall.setdefault(k, []).append(len(set(ids[r, :k].tolist()) & set(ref.tolist())) / k)
+            for budget in res.budgets:
+                P = budget // page_size
+                table = res.mass.setdefault(budget, {m: [] for m in METHODS})
+                ice = merge_group_pages([tree_pages(ids[r], page_of, P) for r in range(len(qs))], P)
+                oracle = []
+                for sc in exact_scores:
+                    best = np.full(tree.npages, -np.inf)
+                    np.maximum.at(best, page_of, sc)
+                    oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
+                oracle = merge_group_pages(oracle, P)
+                quest = merge_group_pages([quest_pages(M, q, page_size, P) for q in qs], P)
+                ice_tok = mid[np.isin(page_of, ice)]
+                ora_tok = mid[np.isin(page_of, oracle)]
+                q_tok = np.concatenate([mid[p * page_size : (p + 1) * page_size] for p in quest]) if len(quest) else mid[:0]
+                for r, p in enumerate(probs):
+                    table["ice"].append(_mass(p, fixed, ice_tok))
+                    table["oracle_pages"].append(_mass(p, fixed, ora_tok))
+                    table["quest"].append(_mass(p, fixed, q_tok))
+                    table["exact_topk"].append(_mass(p, fixed, mid[np.argsort(-exact_scores[r])[:budget]]))
+                    table["sink_window"].append(_mass(p, fixed, mid[:0]))
+
+
+def tree_pages(ids: np.ndarray, page_of: np.ndarray, max_pages: int) -> np.ndarray:
+    """Distinct pages of ranked ids, best first (the same rule as ``DCITree.select_pages``)."""
+    from icecache.index import kernels
+
+    ids = ids[ids >= 0].astype(np.int32)
+    return kernels.ranked_pages(ids, page_of.astype(np.int32), max_pages)

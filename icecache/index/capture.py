@@ -1,0 +1,116 @@
+"""Real keys and queries from a model, for measuring the index.
+
+``capture`` runs the model over a long generated text in independent chunks (each chunk sees
+only itself, at its true absolute positions, so RoPE rotations are the real ones) and keeps the
+post-RoPE keys of chosen layers, plus the queries of the last ``num_queries`` tokens, which play
+the decode steps: they come after every captured key.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+SUBJECTS = ["The harbor board", "Our lead engineer", "The city council", "A local farmer", "The museum",
+            "The northern ferry", "Professor Lindqvist", "The river pump station", "The bakery on Elm Street",
+            "The rail company", "Our finance team", "The school choir", "A visiting botanist"]
+VERBS = ["reported", "decided", "noticed", "measured", "announced", "argued", "confirmed", "estimated"]
+OBJECTS = ["that the spring floods reached {n} centimeters", "a budget of {n} thousand euros for repairs",
+           "that {n} visitors came in the first week", "a delay of {n} days on the bridge project",
+           "that the new lamp lasts {n} hours", "a harvest of {n} tonnes of barley",
+           "that the old pier is {n} years old", "{n} complaints about the night buses",
+           "a rise of {n} percent in ticket sales", "that the well is {n} meters deep"]
+TAILS = ["", " Nobody expected this.", " The minutes were sent to every member.",
+         " A second review is planned for autumn.", " The weather made the work harder.",
+         " This matches last year's figures.", " Several residents disagreed."]
+
+
+def generated_text(num_words: int, seed: int = 0) -> str:
+    """Seeded, varied English prose of about ``num_words`` words (no downloads)."""
+    rng = np.random.default_rng(seed)
+    out, words = [], 0
+    while words < num_words:
+        s = (f"{SUBJECTS[rng.integers(len(SUBJECTS))]} {VERBS[rng.integers(len(VERBS))]} "
+             + OBJECTS[rng.integers(len(OBJECTS))].format(n=int(rng.integers(2, 999)))
+             + "." + TAILS[rng.integers(len(TAILS))])
+        out.append(s)
+        words += len(s.split())
+        if rng.random() < 0.15:
+            out.append("\n\n")
+    return " ".join(out)
+
+
+@dataclass
+class Capture:
+    """keys[layer]: (num_kv_heads, n, head_dim); queries[layer]: (num_heads, num_queries, head_dim)."""
+
+    layers: list[int]
+    keys: dict[int, np.ndarray]
+    queries: dict[int, np.ndarray]
+    num_kv_heads: int
+    num_heads: int
+    head_dim: int
+
+
+def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chunk: int = 2048,
+            seed: int = 0, on_chunk=None) -> Capture:
+    """Keys of the first ``num_keys`` tokens and queries of the next ``num_queries``."""
+    from transformers import AttentionInterface, DynamicCache
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    model, tok = loaded.model, loaded.tokenizer
+    cfg = model.config
+    total = num_keys + num_queries
+    ids: list[int] = []
+    words = total
+    while len(ids) < total:
+        ids = tok(generated_text(words, seed))["input_ids"]
+        words = int(words * 1.3) + 16
+    ids = ids[:total]
+    recorded: dict[int, torch.Tensor] = {}
+
+    def recording(module, query, key, value, attention_mask, **kw):
+        if module.layer_idx in layers:
+            recorded[module.layer_idx] = query[0].detach().float()
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+
+    AttentionInterface.register("icecache_capture", recording)
+    previous = model.config._attn_implementation
+    model.set_attn_implementation("icecache_capture")
+    keys = {layer: [] for layer in layers}
+    queries = {}
+
+    def run(lo: int, hi: int):
+        cache = DynamicCache(config=cfg)
+        pos = torch.arange(lo, hi).unsqueeze(0)
+        model(input_ids=torch.tensor([ids[lo:hi]]), position_ids=pos, past_key_values=cache,
+              use_cache=True, logits_to_keep=1)
+        return cache
+
+    try:
+        with torch.inference_mode():
+            for lo in range(0, num_keys, chunk):
+                hi = min(lo + chunk, num_keys)
+                cache = run(lo, hi)
+                for layer in layers:
+                    # (kv_heads, len, dim), after RoPE
+                    keys[layer].append(cache.layers[layer].keys[0].float().numpy())
+                if on_chunk:
+                    on_chunk(hi, total)
+            # The decode-step queries: the last tokens, with a chunk of context before them.
+            recorded.clear()
+            run(max(0, total - chunk), total)
+            for layer in layers:
+                queries[layer] = recorded[layer][:, -num_queries:].numpy()
+    finally:
+        model.set_attn_implementation(previous)
+    return Capture(
+        layers=list(layers),
+        keys={layer: np.ascontiguousarray(np.concatenate(keys[layer], 1)) for layer in layers},
+        queries=queries,
+        num_kv_heads=cfg.num_key_value_heads,
+        num_heads=cfg.num_attention_heads,
+        head_dim=getattr(cfg, "head_dim", cfg.hidden_size // cfg.num_attention_heads),
+    )
