@@ -64,13 +64,17 @@ _TYPES = {"str": str, "int": int, "float": float}
 FIELD_TYPES: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings)}
 
 
+def _where(source: str, key: str) -> str:
+    """How an error names its origin: the flag itself, or the file and key."""
+    return source if source.startswith("--") else f"{source}: key '{key}'"
+
+
 def _check_type(key: str, value: Any, source: str) -> Any:
     want = FIELD_TYPES[key]
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if isinstance(value, bool) or not isinstance(value, want):
-        where = source if source.startswith("--") else f"{source}: key '{key}'"
-        raise ProfileError(f"{where} must be {want.__name__}, got {type(value).__name__} {value!r}")
+        raise ProfileError(f"{_where(source, key)} must be {want.__name__}, got {type(value).__name__} {value!r}")
     return value
 
 
@@ -78,8 +82,7 @@ def validate(s: Settings, source: str) -> Settings:
     """Check values that are each well-typed but impossible alone or together."""
 
     def bad(key: str, why: str) -> ProfileError:
-        where = source if source.startswith("--") else f"{source}: key '{key}'"
-        return ProfileError(f"{where} {why}, got {getattr(s, key)!r}")
+        return ProfileError(f"{_where(source, key)} {why}, got {getattr(s, key)!r}")
 
     if not re.fullmatch(r"cpu|cuda(:\d+)?", s.device):
         raise bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
