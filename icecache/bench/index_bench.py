@@ -15,7 +15,9 @@ import torch
 
 from icecache.index import DCITree, IndexConfig, merge_group_pages
 
-METHODS = ("ice", "oracle_pages", "exact_topk", "quest", "sink_window")
+# Per query head, each with the whole budget (the basis exact top-k has); ``ice_gqa``: the
+# group's page lists merged rank by rank into one budget per KV head (what the cache loads).
+METHODS = ("ice", "oracle_pages", "exact_topk", "quest", "sink_window", "ice_gqa")
 
 
 @dataclass
@@ -125,23 +127,24 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
             for budget in res.budgets:
                 P = budget // page_size
                 table = res.mass.setdefault(budget, {m: [] for m in METHODS})
-                ice = merge_group_pages([tree_pages(ids[r], page_of, P) for r in range(len(qs))], P)
+                ice = [tree_pages(ids[r], page_of, P) for r in range(len(qs))]
                 oracle = []
                 for sc in exact_scores:
                     best = np.full(tree.npages, -np.inf)
                     np.maximum.at(best, page_of, sc)
                     oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
-                oracle = merge_group_pages(oracle, P)
-                quest = merge_group_pages([quest_pages(M, q, page_size, P) for q in qs], P)
-                ice_tok = mid[np.isin(page_of, ice)]
-                ora_tok = mid[np.isin(page_of, oracle)]
-                q_tok = np.concatenate([mid[p * page_size : (p + 1) * page_size] for p in quest]) if len(quest) else mid[:0]
+                merged = merge_group_pages(ice, P)
+                gqa_tok = mid[np.isin(page_of, merged)]
                 for r, p in enumerate(probs):
-                    table["ice"].append(_mass(p, fixed, ice_tok))
-                    table["oracle_pages"].append(_mass(p, fixed, ora_tok))
+                    quest = quest_pages(M, qs[r], page_size, P)
+                    q_tok = (np.concatenate([mid[g * page_size : (g + 1) * page_size] for g in quest])
+                             if len(quest) else mid[:0])
+                    table["ice"].append(_mass(p, fixed, mid[np.isin(page_of, ice[r])]))
+                    table["oracle_pages"].append(_mass(p, fixed, mid[np.isin(page_of, oracle[r])]))
                     table["quest"].append(_mass(p, fixed, q_tok))
                     table["exact_topk"].append(_mass(p, fixed, mid[np.argsort(-exact_scores[r])[:budget]]))
                     table["sink_window"].append(_mass(p, fixed, mid[:0]))
+                    table["ice_gqa"].append(_mass(p, fixed, gqa_tok))
 
 
 def tree_pages(ids: np.ndarray, page_of: np.ndarray, max_pages: int) -> np.ndarray:

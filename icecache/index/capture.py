@@ -1,9 +1,15 @@
 """Real keys and queries from a model, for measuring the index.
 
-``capture`` runs the model over a long generated text in independent chunks (each chunk sees
-only itself, at its true absolute positions, so RoPE rotations are the real ones) and keeps the
-post-RoPE keys of chosen layers, plus the queries of the last ``num_queries`` tokens, which play
-the decode steps: they come after every captured key.
+``capture`` runs the model over a long generated text and keeps the post-RoPE keys of chosen
+layers, plus the queries of the last ``num_queries`` tokens, which play the decode steps: they
+come after every captured key.
+
+Up to ``exact_max`` tokens (the model's trained context) this is the real prefill, chunk after
+chunk over a growing cache, so keys and queries are exactly those of a one-shot run. Beyond it,
+a one-shot prefill is too slow on a CPU, so chunks are run independently at their true absolute
+positions (real content, real RoPE rotations), each preceded by the text's first ``sink`` tokens
+at positions 0.. (so that the attention sink is the real one, not each chunk's first token);
+the sink prefix's own keys are kept once.
 """
 
 from __future__ import annotations
@@ -55,7 +61,7 @@ class Capture:
 
 
 def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chunk: int = 2048,
-            seed: int = 0, on_chunk=None) -> Capture:
+            seed: int = 0, on_chunk=None, exact_max: int | None = None, sink: int = 4) -> Capture:
     """Keys of the first ``num_keys`` tokens and queries of the next ``num_queries``."""
     from transformers import AttentionInterface, DynamicCache
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -82,28 +88,47 @@ def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chun
     keys = {layer: [] for layer in layers}
     queries = {}
 
-    def run(lo: int, hi: int):
-        cache = DynamicCache(config=cfg)
-        pos = torch.arange(lo, hi).unsqueeze(0)
-        model(input_ids=torch.tensor([ids[lo:hi]]), position_ids=pos, past_key_values=cache,
-              use_cache=True, logits_to_keep=1)
+    if exact_max is None:
+        exact_max = int(getattr(cfg, "max_position_embeddings", 8192) or 8192)
+    exact = total <= exact_max
+
+    def run(lo: int, hi: int, cache=None, prefix: int = 0):
+        """Tokens lo..hi (after the first ``prefix`` tokens when given); the cache after it."""
+        cache = cache if cache is not None else DynamicCache(config=cfg)
+        span = list(range(prefix)) + list(range(lo, hi))
+        model(input_ids=torch.tensor([[ids[i] for i in span]]), position_ids=torch.tensor([span]),
+              past_key_values=cache, use_cache=True, logits_to_keep=1)
         return cache
 
     try:
         with torch.inference_mode():
-            for lo in range(0, num_keys, chunk):
-                hi = min(lo + chunk, num_keys)
-                cache = run(lo, hi)
+            if exact:
+                cache = DynamicCache(config=cfg)
+                for lo in range(0, total, chunk):
+                    hi = min(lo + chunk, total)
+                    recorded.clear()
+                    run(lo, hi, cache)
+                    if on_chunk:
+                        on_chunk(hi, total)
                 for layer in layers:
-                    # (kv_heads, len, dim), after RoPE
-                    keys[layer].append(cache.layers[layer].keys[0].float().numpy())
-                if on_chunk:
-                    on_chunk(hi, total)
-            # The decode-step queries: the last tokens, with a chunk of context before them.
-            recorded.clear()
-            run(max(0, total - chunk), total)
-            for layer in layers:
-                queries[layer] = recorded[layer][:, -num_queries:].numpy()
+                    keys[layer].append(cache.layers[layer].keys[0, :, :num_keys].float().numpy())
+                    last = recorded[layer]  # queries of the final chunk
+                    queries[layer] = last[:, -num_queries:].numpy()
+            else:
+                for lo in range(0, num_keys, chunk):
+                    hi = min(lo + chunk, num_keys)
+                    pre = 0 if lo == 0 else min(sink, num_keys)
+                    cache = run(lo, hi, prefix=pre)
+                    for layer in layers:
+                        # (kv_heads, len, dim), after RoPE; the sink prefix's keys only once
+                        keys[layer].append(cache.layers[layer].keys[0, :, pre:].float().numpy())
+                    if on_chunk:
+                        on_chunk(hi, total)
+                # The decode-step queries: the last tokens, after the sink and a chunk of context.
+                recorded.clear()
+                run(max(sink, total - chunk), total, prefix=sink)
+                for layer in layers:
+                    queries[layer] = recorded[layer][:, -num_queries:].numpy()
     finally:
         model.set_attn_implementation(previous)
     return Capture(

@@ -23,8 +23,8 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty, first_page,
-                 node_size, tok_page, tok_slot, npages):
+def insert_child(i, node, proj, X, PX, members, count, next_page, owner, lo, hi, dirty,
+                 first_page, node_size, tok_page, tok_slot, npages):
     """Put point ``i`` among ``node``'s children; return the new page count.
 
     The page whose projection range covers ``proj[i]`` takes it (pages of a node are disjoint,
@@ -57,13 +57,16 @@ def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty,
             vals[s] = proj[members[pg, s]]
         order = np.argsort(vals, kind="mergesort")
         tmp = members[pg, :c].copy()
+        rows = PX[pg, :c].copy()
         new = npages
         npages += 1
         half = c // 2
         for s in range(half):
             members[pg, s] = tmp[order[s]]
+            PX[pg, s] = rows[order[s]]
         for s in range(c - half):
             members[new, s] = tmp[order[half + s]]
+            PX[new, s] = rows[order[half + s]]
         count[pg] = half
         count[new] = c - half
         next_page[new] = next_page[pg]
@@ -85,6 +88,7 @@ def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty,
             pg = new
     s = count[pg]
     members[pg, s] = i
+    PX[pg, s] = X[i]
     count[pg] = s + 1
     tok_page[i] = pg
     tok_slot[i] = s
@@ -97,8 +101,56 @@ def insert_child(i, node, proj, members, count, next_page, owner, lo, hi, dirty,
     return npages
 
 
+@njit(nogil=True, cache=True)
+def attach_sorted(ids, parents, proj, X, PX, members, count, next_page, owner, lo, hi, dirty,
+                  first_page, node_size, tok_page, tok_slot, npages):
+    """Bulk attach: ``ids`` sorted by (parent, projection); return the new page count.
+
+    A parent that has no children yet gets them as full pages, in projection order; any other
+    parent takes them one by one through ``insert_child``. Pages built here are marked dirty.
+    """
+    S = members.shape[1]
+    n = ids.shape[0]
+    a = 0
+    while a < n:
+        node = parents[a]
+        b = a
+        while b < n and parents[b] == node:
+            b += 1
+        if first_page[node] >= 0:
+            for t in range(a, b):
+                npages = insert_child(ids[t], node, proj, X, PX, members, count, next_page, owner,
+                                      lo, hi, dirty, first_page, node_size, tok_page, tok_slot,
+                                      npages)
+        else:
+            prev = -1
+            for c in range(a, b, S):
+                pg = npages
+                npages += 1
+                e = min(c + S, b)
+                for t in range(c, e):
+                    members[pg, t - c] = ids[t]
+                    PX[pg, t - c] = X[ids[t]]
+                    tok_page[ids[t]] = pg
+                    tok_slot[ids[t]] = t - c
+                count[pg] = e - c
+                owner[pg] = node
+                next_page[pg] = -1
+                lo[pg] = proj[ids[c]]
+                hi[pg] = proj[ids[e - 1]]
+                dirty[pg] = True
+                if prev < 0:
+                    first_page[node] = pg
+                else:
+                    next_page[prev] = pg
+                prev = pg
+            node_size[node] += b - a
+        a = b
+    return npages
+
+
 @njit(nogil=True, cache=True, fastmath=True)
-def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi, node_size,
+def _scan_node(node, v, vproj, PX, first_page, next_page, members, count, lo, hi, node_size,
                visit_frac, out_ids, out_scores, m):
     """Score ``node``'s children against ``v``, walking its pages outward from ``vproj``.
 
@@ -129,7 +181,7 @@ def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi,
     done = 0
     left = start - 1
     right = start
-    D = X.shape[1]
+    D = PX.shape[2]
     while done < need and (left >= 0 or right < npg):
         if right >= npg:
             take = left
@@ -150,11 +202,10 @@ def _scan_node(node, v, vproj, X, first_page, next_page, members, count, lo, hi,
                 right += 1
         pgt = pages[take]
         for s in range(count[pgt]):
-            i = members[pgt, s]
             acc = np.float32(0.0)
             for d in range(D):
-                acc += X[i, d] * v[d]
-            out_ids[m] = i
+                acc += PX[pgt, s, d] * v[d]
+            out_ids[m] = members[pgt, s]
             out_scores[m] = acc
             m += 1
         done += count[pgt]
@@ -185,7 +236,7 @@ def topk_indices(scores, k):
 
 
 @njit(nogil=True, cache=True)
-def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, X, level, first_page,
+def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, PX, level, first_page,
                next_page, members, count, lo, hi, node_size, scratch_ids, scratch_scores):
     """Multi-level search: the ``k`` points of largest ``<x, v>``.
 
@@ -202,7 +253,7 @@ def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, X, level,
     while lvl >= stop:
         m = kept
         for f in range(frontier.shape[0]):
-            m = _scan_node(frontier[f], v, vproj, X, first_page, next_page, members, count, lo,
+            m = _scan_node(frontier[f], v, vproj, PX, first_page, next_page, members, count, lo,
                            hi, node_size, visit_frac, scratch_ids, scratch_scores, m)
         seg = scratch_scores[kept:m]
         if lvl > stop and m > kept:
@@ -216,6 +267,60 @@ def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, X, level,
     kk = min(k, kept)
     order = topk_indices(scratch_scores[:kept], kk)
     return scratch_ids[:kept][order].copy(), scratch_scores[:kept][order].copy()
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def nearest_among(X, ids, cand, out):
+    """For each point ``ids[j]``, the ``cand`` point of largest ``<x_i, x_c>`` (exact), in ``out``.
+
+    Used for the parents of a few new points (single inserts), where a BLAS call costs more in
+    overhead and thread wake-up than the arithmetic.
+    """
+    D = X.shape[1]
+    for j in range(ids.shape[0]):
+        i = ids[j]
+        best = -np.inf
+        arg = -1
+        for c in range(cand.shape[0]):
+            acc = np.float32(0.0)
+            r = cand[c]
+            for d in range(D):
+                acc += X[i, d] * X[r, d]
+            if acc > best:
+                best = acc
+                arg = r
+        out[j] = arg
+
+
+@njit(nogil=True, cache=True)
+def search_many(queries, u, top_level, k, beam, visit_frac, PX, level, first_page, next_page,
+                members, count, lo, hi, node_size, scratch_ids, scratch_scores, out_ids, out_scores):
+    """``query_tree`` for each row of ``queries`` (h, d): top-``k`` ids and inner products.
+
+    Each query is normalized and given a zero extra coordinate (the inner-product transform);
+    scores are scaled back to ``<key, query>``. ``out_*`` (h, k) are filled, padded with -1/-inf.
+    """
+    h, d = queries.shape
+    v = np.zeros(d + 1, np.float32)
+    for r in range(h):
+        nrm = 0.0
+        for j in range(d):
+            nrm += queries[r, j] * queries[r, j]
+        nrm = max(np.sqrt(nrm), 1e-12)
+        vp = np.float32(0.0)
+        for j in range(d):
+            v[j] = queries[r, j] / nrm
+            vp += v[j] * u[j]
+        ids, sc = query_tree(v, vp, top_level, -1, k, beam, visit_frac, PX, level, first_page,
+                             next_page, members, count, lo, hi, node_size, scratch_ids,
+                             scratch_scores)
+        for t in range(k):
+            if t < ids.shape[0]:
+                out_ids[r, t] = ids[t]
+                out_scores[r, t] = sc[t] * nrm
+            else:
+                out_ids[r, t] = -1
+                out_scores[r, t] = -np.inf
 
 
 @njit(nogil=True, cache=True)

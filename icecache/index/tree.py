@@ -8,10 +8,13 @@ page among their siblings: pages are runs of at most ``page_size`` children of o
 contiguous along a random projection direction (orthogonal to the extra coordinate, so a change of
 ``M`` never reorders them).
 
-Memory per indexed key (head_dim 64, float32): 65 x 4 B transformed key + 4 B projection + 1 B
-level + 3 x 4 B parent/page/slot + 4 B node first page + 4 B node size + 8 B position, plus
-about 4 x 16 / 12 B of page table (pages are ~3/4 full on average): about 306 B, i.e. 1.2x the raw
-key (256 B). Values are not held here.
+Memory per indexed key (head_dim 64, float32): 65 x 4 B transformed key in insertion order
+(parents, builds) and again in page-major order (queries read a node's children from contiguous
+memory; random rows would make a query memory-latency bound at 100k+ keys), at ~3/4 page fill
+about 350 B; + 4 B projection + 1 B level + 3 x 4 B parent/page/slot + 8 B node first page and
+size + 8 B position + ~8 B page table: about 650 B, i.e. 2.5x the raw key (256 B); measured
+figures are printed by ``icecache bench index`` (bytes/key, with the array capacity's slack).
+Values are not held here.
 """
 
 from __future__ import annotations
@@ -69,6 +72,7 @@ class DCITree:
         self.top_level = -1
         self.M = 0.0
         self._rng = np.random.default_rng(self.cfg.seed)
+        self._by_level: dict[int, list[np.ndarray]] = {}
         u = np.random.default_rng(self.cfg.seed + 7919).standard_normal(self.D)
         u[-1] = 0.0
         self.u = (u / np.linalg.norm(u)).astype(np.float32)
@@ -89,12 +93,17 @@ class DCITree:
         self.first_page = np.full(cap + 1, -1, np.int32)
         self.node_size = np.zeros(cap + 1, np.int32)
         self.members = np.full((pcap, S), -1, np.int32)
+        # Page-major copy of the transformed keys: a node's children are scored from contiguous
+        # memory (random rows of X would make a query memory-latency bound at large n).
+        self.PX = np.zeros((pcap, S, self.D), np.float32)
         self.count = np.zeros(pcap, np.int32)
         self.next_page = np.full(pcap, -1, np.int32)
         self.owner = np.full(pcap, -1, np.int32)
         self.lo = np.zeros(pcap, np.float32)
         self.hi = np.zeros(pcap, np.float32)
         self.dirty = np.zeros(pcap, np.bool_)
+        self._sid = np.empty(cap, np.int32)  # query scratch, reused
+        self._ssc = np.empty(cap, np.float32)
         self.cap = cap
 
     def _grow(self, need: int) -> None:
@@ -103,9 +112,29 @@ class DCITree:
         cap = self.cap
         while cap < need:
             cap *= 2
-        old = {name: getattr(self, name) for name in (
-            "X", "sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot", "first_page",
-            "node_size", "members", "count", "next_page", "owner", "lo", "hi", "dirty")}
+        old = {
+            name: getattr(self, name)
+            for name in (
+                "X",
+                "sqnorm",
+                "proj",
+                "level",
+                "parent",
+                "pos",
+                "tok_page",
+                "tok_slot",
+                "first_page",
+                "node_size",
+                "members",
+                "PX",
+                "count",
+                "next_page",
+                "owner",
+                "lo",
+                "hi",
+                "dirty",
+            )
+        }
         self._alloc(cap)
         for name, arr in old.items():
             getattr(self, name)[: arr.shape[0]] = arr
@@ -143,6 +172,8 @@ class DCITree:
             # Correct every stored extra coordinate for the new maximum.
             live = slice(0, self.n)
             self.X[live, -1] = np.sqrt(np.maximum(self.M - self.sqnorm[live], 0.0))
+            placed = np.flatnonzero(self.tok_page[live] >= 0)
+            self.PX[self.tok_page[placed], self.tok_slot[placed], -1] = self.X[placed, -1]
         self.X[ids, :-1] = keys
         self.X[ids, -1] = np.sqrt(np.maximum(self.M - sq, 0.0))
         self.proj[ids] = self.X[ids] @ self.u
@@ -170,6 +201,8 @@ class DCITree:
         self.level[ids] = levels
         self.n += m
         self._set_keys(ids, keys)
+        for lvl in set(levels.tolist()) - {0}:
+            self._by_level.setdefault(lvl, []).append(ids[levels == lvl])
         # Levels top-down: a point's parent exists before the point itself is placed.
         for lvl in sorted(set(levels.tolist()), reverse=True):
             self._place(ids[levels == lvl], lvl)
@@ -190,6 +223,15 @@ class DCITree:
             self._attach(ids, root)
         else:
             self._attach(ids, self._parents(ids, lvl))
+
+    def _level_ids(self, lvl: int) -> np.ndarray:
+        """Point ids of one level (upper levels only; kept as the points arrive)."""
+        parts = self._by_level.get(lvl)
+        if parts is None:
+            return np.empty(0, np.int32)
+        if len(parts) > 1:
+            parts[:] = [np.concatenate(parts)]
+        return parts[0]
 
     def _detach_root(self) -> np.ndarray:
         """Retire the root's pages; return the points they held (the caller re-attaches them)."""
@@ -212,13 +254,18 @@ class DCITree:
     def _parents(self, ids: np.ndarray, lvl: int) -> np.ndarray:
         """Node ids of the nearest points one level up (the nearest existing higher level)."""
         up = lvl + 1
-        while up <= self.top_level and not np.any(self.level[: self.n] == up):
+        while up <= self.top_level and not len(self._level_ids(up)):
             up += 1
         if up > self.top_level:
             return np.zeros(len(ids), np.int32)
-        cand = np.flatnonzero(self.level[: self.n] == up).astype(np.int32)
-        if len(cand) <= self.cfg.exact_parent_max or up == self.top_level:
+        cand = self._level_ids(up)
+        few = len(ids) <= 256  # single inserts: exact only over a small level
+        limit = self.cfg.exact_parent_max if not few else min(self.cfg.exact_parent_max, 512)
+        if len(cand) <= limit or up == self.top_level:
             out = np.empty(len(ids), np.int32)
+            if few:
+                kernels.nearest_among(self.X, ids.astype(np.int32), cand, out)
+                return out + 1
             C = self.X[cand]
             for lo in range(0, len(ids), 4096):
                 block = ids[lo : lo + 4096]
@@ -229,29 +276,79 @@ class DCITree:
         for j, i in enumerate(ids):
             v = self.X[i]
             got, _ = kernels.query_tree(
-                v, np.float32(v @ self.u), self.top_level, up, 1, self.cfg.parent_beam,
-                self.cfg.visit_frac, self.X, self.level, self.first_page, self.next_page,
-                self.members, self.count, self.lo, self.hi, self.node_size, sid, ssc)
+                v,
+                np.float32(v @ self.u),
+                self.top_level,
+                up,
+                1,
+                self.cfg.parent_beam,
+                self.cfg.visit_frac,
+                self.PX,
+                self.level,
+                self.first_page,
+                self.next_page,
+                self.members,
+                self.count,
+                self.lo,
+                self.hi,
+                self.node_size,
+                sid,
+                ssc,
+            )
             out[j] = got[0] + 1 if len(got) else 0
         return out
 
     def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
         self.parent[ids] = parents
         if len(ids) > 64:
-            # Bulk: children of one node in projection order; insert in that order so that
-            # pages fill left to right (the same structure the point-by-point rule gives).
+            # Bulk: children of one node in projection order; a node without children gets them
+            # as full pages (point-by-point insertion in sorted order would leave pages half full).
             order = np.lexsort((self.proj[ids], parents))
-            ids, parents = ids[order], parents[order]
+            self.npages = kernels.attach_sorted(
+                ids[order].astype(np.int32),
+                parents[order].astype(np.int32),
+                self.proj,
+                self.X,
+                self.PX,
+                self.members,
+                self.count,
+                self.next_page,
+                self.owner,
+                self.lo,
+                self.hi,
+                self.dirty,
+                self.first_page,
+                self.node_size,
+                self.tok_page,
+                self.tok_slot,
+                self.npages,
+            )
+            return
         npages = self.npages
         for i, p in zip(ids.tolist(), parents.tolist(), strict=True):
             npages = kernels.insert_child(
-                i, p, self.proj, self.members, self.count, self.next_page, self.owner, self.lo,
-                self.hi, self.dirty, self.first_page, self.node_size, self.tok_page,
-                self.tok_slot, npages)
+                i,
+                p,
+                self.proj,
+                self.X,
+                self.PX,
+                self.members,
+                self.count,
+                self.next_page,
+                self.owner,
+                self.lo,
+                self.hi,
+                self.dirty,
+                self.first_page,
+                self.node_size,
+                self.tok_page,
+                self.tok_slot,
+                npages,
+            )
         self.npages = npages
 
     def _scratch(self):
-        return np.empty(self.n, np.int32), np.empty(self.n, np.float32)
+        return self._sid, self._ssc
 
     # -- queries ------------------------------------------------------------------------------
     def beam_for(self) -> int:
@@ -262,24 +359,35 @@ class DCITree:
 
         Rows are padded with -1 / -inf when fewer than ``k`` points were found.
         """
-        queries = np.atleast_2d(np.asarray(queries, np.float32))
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if queries.shape[1] != self.d:
+            raise ValueError(f"queries must be (h, {self.d}), got {queries.shape}")
         h = queries.shape[0]
         ids = np.full((h, k), -1, np.int32)
         scores = np.full((h, k), -np.inf, np.float32)
         if self.n == 0:
             return ids, scores
-        sid, ssc = self._scratch()
-        beam = self.beam_for()
-        for r in range(h):
-            q = queries[r]
-            v = np.zeros(self.D, np.float32)
-            v[:-1] = q / max(float(np.linalg.norm(q)), 1e-12)
-            got, sc = kernels.query_tree(
-                v, np.float32(v @ self.u), self.top_level, -1, k, beam, self.cfg.visit_frac,
-                self.X, self.level, self.first_page, self.next_page, self.members, self.count,
-                self.lo, self.hi, self.node_size, sid, ssc)
-            ids[r, : len(got)] = got
-            scores[r, : len(got)] = sc * np.linalg.norm(q)  # back to <k, q>
+        kernels.search_many(
+            queries,
+            self.u,
+            self.top_level,
+            k,
+            self.beam_for(),
+            self.cfg.visit_frac,
+            self.PX,
+            self.level,
+            self.first_page,
+            self.next_page,
+            self.members,
+            self.count,
+            self.lo,
+            self.hi,
+            self.node_size,
+            self._sid,
+            self._ssc,
+            ids,
+            scores,
+        )
         return ids, scores
 
     def select_pages(self, queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
@@ -296,7 +404,24 @@ class DCITree:
         return self.members[page, : self.count[page]].copy()
 
     def nbytes(self) -> int:
-        arrays = (self.X, self.sqnorm, self.proj, self.level, self.parent, self.pos, self.tok_page,
-                  self.tok_slot, self.first_page, self.node_size, self.members, self.count,
-                  self.next_page, self.owner, self.lo, self.hi, self.dirty)
+        arrays = (
+            self.X,
+            self.PX,
+            self.sqnorm,
+            self.proj,
+            self.level,
+            self.parent,
+            self.pos,
+            self.tok_page,
+            self.tok_slot,
+            self.first_page,
+            self.node_size,
+            self.members,
+            self.count,
+            self.next_page,
+            self.owner,
+            self.lo,
+            self.hi,
+            self.dirty,
+        )
         return int(sum(a.nbytes for a in arrays))
