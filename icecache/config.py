@@ -49,6 +49,7 @@ class Settings:
     sink_pages: int = 2
     window_pages: int = 2
     dense_layers: int = 2
+    reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
 
@@ -104,6 +105,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("window_pages", "must be >= 1")
     if s.dense_layers < 0:
         raise bad("dense_layers", "must be >= 0")
+    if s.reuse_every < 1:
+        raise bad("reuse_every", "must be >= 1")
     if s.chunk_size <= 0 or s.chunk_size % s.page_size:
         raise bad("chunk_size", f"must be a positive multiple of page_size ({s.page_size})")
     resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget

@@ -1,7 +1,9 @@
 """The KV-cache methods a run can use, and the cache object each one puts into the model.
 
-``full`` keeps every key and value (transformers' dense cache). The IceCache method and the
-baselines are registered here as they arrive; naming one that is not built yet is a clear error.
+``full`` keeps every key and value (transformers' dense cache and SDPA attention). ``ice`` is the
+IceCache paged cache (:mod:`icecache.cache`); ``ice-reuse`` its variant where only every
+``reuse_every``-th layer queries its index. The baselines are registered here as they arrive;
+naming one that is not built yet is a clear error.
 """
 
 from __future__ import annotations
@@ -11,8 +13,8 @@ from typing import Any
 from .config import Settings
 from .errors import MethodUnavailable
 
-AVAILABLE = ("full",)
-PLANNED = ("ice", "ice-reuse", "oracle", "streaming", "snapkv", "quest")
+AVAILABLE = ("full", "ice", "ice-reuse")
+PLANNED = ("oracle", "streaming", "snapkv", "quest")
 
 
 def check_method(method: str) -> str:
@@ -20,7 +22,7 @@ def check_method(method: str) -> str:
         return method
     if method in PLANNED:
         raise MethodUnavailable(
-            f"method '{method}' is not available yet in this version; use --method full"
+            f"method '{method}' is not available yet in this version; use one of {', '.join(AVAILABLE)}"
         )
     raise MethodUnavailable(
         f"unknown method '{method}' (available: {', '.join(AVAILABLE)}; "
@@ -28,9 +30,41 @@ def check_method(method: str) -> str:
     )
 
 
+def ice_spec(settings: Settings):
+    from .cache import IceSpec
+    from .index import IndexConfig
+
+    return IceSpec(
+        page_size=settings.page_size,
+        budget_pages=settings.budget_pages,
+        sink_tokens=settings.sink_pages * settings.page_size,
+        window_tokens=settings.window_pages * settings.page_size,
+        index=IndexConfig(page_size=settings.page_size),
+    )
+
+
+def prepare_model(method: str, model: Any) -> None:
+    """Select the attention implementation ``method`` needs (the model is shared by runs)."""
+    if method in ("ice", "ice-reuse"):
+        from .cache import register
+
+        name = register()
+    else:
+        name = "sdpa"
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+
+
 def make_cache(method: str, model: Any, settings: Settings) -> Any:
     """A fresh cache object for one sequence under ``method``."""
     check_method(method)
+    prepare_model(method, model)
+    if method in ("ice", "ice-reuse"):
+        from .cache import IceCache
+
+        return IceCache(
+            model.config.num_hidden_layers, ice_spec(settings), dense_layers=settings.dense_layers,
+            reuse_every=settings.reuse_every if method == "ice-reuse" else 1, device=model.device)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)

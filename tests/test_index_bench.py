@@ -42,3 +42,20 @@ def test_small_run_on_real_keys(loaded):
     assert np.mean(res.mass[128]["ice"]) >= np.mean(res.mass[64]["ice"])
     s = res.summary(128)
     assert 0 <= s["recall_at_64"] <= 1 and s["build_us_per_key"] > 0
+
+
+def test_capture_chunked_prefill_equals_one_shot(loaded):
+    """Chunks over a growing cache give the one-shot keys and queries (the masks are right)."""
+    from icecache.index.capture import capture
+
+    a = capture(loaded, 600, [2, 20], num_queries=4, chunk=256)
+    b = capture(loaded, 600, [2, 20], num_queries=4, chunk=1024)
+    for layer in (2, 20):
+        np.testing.assert_allclose(a.keys[layer], b.keys[layer], atol=1e-4)
+        np.testing.assert_allclose(a.queries[layer], b.queries[layer], atol=1e-4)
+    # Past exact_max: independent chunks (with the sink prefix), same shapes; the first chunk's
+    # keys are those of the real prefill.
+    c = capture(loaded, 600, [2], num_queries=4, chunk=256, exact_max=300)
+    assert c.keys[2].shape == a.keys[2].shape and c.queries[2].shape == a.queries[2].shape
+    np.testing.assert_allclose(c.keys[2][:, :256], a.keys[2][:, :256], atol=1e-4)
+    assert not np.allclose(c.keys[2][:, 300:], a.keys[2][:, 300:], atol=1e-3)

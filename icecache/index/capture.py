@@ -63,7 +63,8 @@ class Capture:
 def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chunk: int = 2048,
             seed: int = 0, on_chunk=None, exact_max: int | None = None, sink: int = 4) -> Capture:
     """Keys of the first ``num_keys`` tokens and queries of the next ``num_queries``."""
-    from transformers import AttentionInterface, DynamicCache
+    from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
+    from transformers.masking_utils import sdpa_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     model, tok = loaded.model, loaded.tokenizer
@@ -83,6 +84,9 @@ def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chun
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("icecache_capture", recording)
+    # The same masks as sdpa (without a registered mask function, transformers passes none, and
+    # a chunk after the first would attend causally from the top-left corner).
+    AttentionMaskInterface.register("icecache_capture", sdpa_mask)
     previous = model.config._attn_implementation
     model.set_attn_implementation("icecache_capture")
     keys = {layer: [] for layer in layers}

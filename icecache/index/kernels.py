@@ -341,3 +341,49 @@ def ranked_pages(ids, tok_page, max_pages):
             out[m] = p
             m += 1
     return out[:m]
+
+
+@njit(nogil=True, cache=True)
+def merge_ranked(lists, lens, max_pages):
+    """GQA merge in numba: rows of ``lists`` (g, m) with ``lens`` valid entries, rank by rank."""
+    g = lists.shape[0]
+    out = np.empty(max_pages, np.int32)
+    m = 0
+    longest = 0
+    for r in range(g):
+        longest = max(longest, lens[r])
+    for rank in range(longest):
+        for r in range(g):
+            if rank < lens[r] and m < max_pages:
+                p = lists[r, rank]
+                seen = False
+                for j in range(m):
+                    if out[j] == p:
+                        seen = True
+                        break
+                if not seen:
+                    out[m] = p
+                    m += 1
+    return out[:m]
+
+
+@njit(nogil=True, cache=True)
+def select_group(queries, k, max_pages, u, top_level, beam, visit_frac, PX, level, first_page,
+                 next_page, members, count, lo, hi, node_size, tok_page, scratch_ids,
+                 scratch_scores):
+    """One KV head's page list for its group of query heads (g, d): search each, rank pages, merge."""
+    g = queries.shape[0]
+    ids = np.empty((g, k), np.int32)
+    scores = np.empty((g, k), np.float32)
+    search_many(queries, u, top_level, k, beam, visit_frac, PX, level, first_page, next_page,
+                members, count, lo, hi, node_size, scratch_ids, scratch_scores, ids, scores)
+    lists = np.empty((g, max_pages), np.int32)
+    lens = np.zeros(g, np.int64)
+    for r in range(g):
+        n = 0
+        while n < k and ids[r, n] >= 0:
+            n += 1
+        pages = ranked_pages(ids[r, :n], tok_page, max_pages)
+        lists[r, : pages.shape[0]] = pages
+        lens[r] = pages.shape[0]
+    return merge_ranked(lists, lens, max_pages)

@@ -395,6 +395,16 @@ class DCITree:
         ids, _ = self.search(queries, k)
         return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
 
+    def select_group(self, queries: np.ndarray, k: int, max_pages: int) -> np.ndarray:
+        """The merged page list of a GQA group (``merge_group_pages`` of ``select_pages``)."""
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if self.n == 0:
+            return np.empty(0, np.int32)
+        return kernels.select_group(
+            queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
+            self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
+            self.lo, self.hi, self.node_size, self.tok_page, self._sid, self._ssc)
+
     # -- introspection --------------------------------------------------------------------------
     def live_pages(self) -> np.ndarray:
         return np.flatnonzero(self.owner[: self.npages] >= 0).astype(np.int32)

@@ -1,0 +1,7 @@
+"""KV-cache managers: the IceCache paged cache and its attention."""
+
+from .attention import paged_decode_reference, register
+from .backend import TorchBackend
+from .ice import IceCache, IceLayer, IceSpec, StepStats
+
+__all__ = ["IceCache", "IceLayer", "IceSpec", "StepStats", "TorchBackend", "paged_decode_reference", "register"]

@@ -1,0 +1,372 @@
+"""The IceCache KV-cache manager inside transformers (paper Algorithm 1, sections 4.1-4.5).
+
+:class:`IceCache` is a transformers ``Cache`` whose first ``dense_layers`` layers are ordinary
+dense layers and whose other layers are :class:`IceLayer`. An ``IceLayer``:
+
+- during prefill keeps the chunk's keys and values densely (prefill attention is full);
+- at the first decode step *finalizes*: the first ``sink`` tokens and the last ``window`` tokens
+  stay resident, the tokens between them move to the host store and are indexed, one
+  :class:`~icecache.index.DCITree` per KV head (the ``ice-reuse`` variant: only anchor layers
+  index; the layers after an anchor use its trees' page layout and its selection);
+- at each decode step appends the new token to the window; once the window holds a page more
+  than it keeps, its oldest page goes to the host store and into the index (pages the insertion
+  changed get a new version, so a stale resident copy is reloaded);
+- in the attention call (:mod:`icecache.cache.attention`) queries the index with the step's query
+  heads, merges the group's page lists per KV head, loads only the pages not already resident
+  into free slots of a fixed-size page pool (one gather, one copy, one scatter) and attends over
+  sink + selected pages + window, masking unused slots and the empty tail of partly filled pages.
+
+Device-resident bytes per ice layer: (sink + window + page + budget) tokens x KV heads x
+head_dim x 2 (keys and values) x dtype size, whatever the context length.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+
+from ..index import DCITree, IndexConfig
+from .backend import TorchBackend
+
+_current = threading.local()  # the cache whose layer was updated last (read by the attention)
+
+
+_pool = None
+
+
+def _workers():
+    """A small thread pool for per-head index queries (None on a single core)."""
+    global _pool
+    if _pool is None:
+        n = min(os.cpu_count() or 1, torch.get_num_threads())
+        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="icecache") if n > 1 else False
+    return _pool or None
+
+
+def current_cache():
+    return getattr(_current, "cache", None)
+
+
+@dataclass(frozen=True)
+class IceSpec:
+    page_size: int = 16
+    budget_pages: int = 16
+    sink_tokens: int = 32
+    window_tokens: int = 32
+    index: IndexConfig = field(default_factory=IndexConfig)
+
+
+@dataclass
+class StepStats:
+    """Summed over ice layers and decode steps (``steps`` counts model steps)."""
+
+    steps: int = 0
+    layer_steps: int = 0
+    pages_selected: int = 0
+    pages_loaded: int = 0
+    bytes_moved: int = 0
+    query_s: float = 0.0
+    load_s: float = 0.0
+    attention_s: float = 0.0
+    index_build_s: float = 0.0
+    index_insert_s: float = 0.0
+
+    def as_dict(self) -> dict:
+        per = max(1, self.steps)
+        return {
+            "decode_steps": self.steps,
+            "pages_selected_per_step": self.pages_selected / per,
+            "pages_loaded_per_step": self.pages_loaded / per,
+            "bytes_moved_per_step": self.bytes_moved / per,
+            "query_ms_per_step": 1000 * self.query_s / per,
+            "load_ms_per_step": 1000 * self.load_s / per,
+            "attention_ms_per_step": 1000 * self.attention_s / per,
+            "index_build_s": self.index_build_s,
+            "index_insert_s": self.index_insert_s,
+        }
+
+
+class IceLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, spec: IceSpec, backend: TorchBackend, stats: StepStats,
+                 anchor: IceLayer | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.spec = spec
+        self.backend = backend
+        self.stats = stats
+        self.anchor = anchor  # ice-reuse: take this layer's selection and page layout
+        self.decoding = False
+        self.length = 0  # tokens seen (sink + middle + window)
+        self.selected: list[np.ndarray] = []
+
+    # -- transformers' layer interface ----------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        self.H, self.d = key_states.shape[1], key_states.shape[3]
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise NotImplementedError("the ice cache holds one sequence (batch size 1)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        q = key_states.shape[2]
+        if not self.decoding:
+            if q == 1 and self.length > 0:
+                self._finalize()
+            else:
+                self.keys = torch.cat([self.keys, key_states], dim=2)
+                self.values = torch.cat([self.values, value_states], dim=2)
+                self.length += q
+                return self.keys, self.values
+        if q != 1:
+            raise NotImplementedError(
+                "ice: after decoding started, tokens must come one at a time (sparse chunked "
+                "prefill is not built yet)")
+        self._append(key_states[0, :, 0], value_states[0, :, 0])
+        w = slice(self.win_at, self.win_at + self.win_fill)
+        return self.res_k[None, :, w], self.res_v[None, :, w]  # not used by the ice attention
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # -- finalize: prefill KV -> sink, host store + index, window --------------------------------
+    def _finalize(self) -> None:
+        """Resident buffer per KV head: [sink | pool of P pages | window + one page]."""
+        S, spec = self.spec.page_size, self.spec
+        T = self.length
+        sink = min(spec.sink_tokens, T)
+        mid = max(0, T - sink - spec.window_tokens)
+        k, v = self.keys[0], self.values[0]  # (H, T, d)
+        H, d, P = self.H, self.d, spec.budget_pages
+        self.sink_len = sink
+        self.pool_at = spec.sink_tokens
+        self.win_at = self.pool_at + P * S
+        self.win_cap = spec.window_tokens + S
+        L = self.win_at + self.win_cap
+        self.L = L
+        self.res_k = self.backend.device_zeros((H, L, d), self.dtype)
+        self.res_v = self.backend.device_zeros((H, L, d), self.dtype)
+        self.valid = np.zeros((H, L), np.bool_)  # which resident rows attention may see
+        self.res_k[:, :sink] = k[:, :sink]
+        self.res_v[:, :sink] = v[:, :sink]
+        self.valid[:, :sink] = True
+        w = T - sink - mid
+        self.res_k[:, self.win_at : self.win_at + w] = k[:, sink + mid :]
+        self.res_v[:, self.win_at : self.win_at + w] = v[:, sink + mid :]
+        self.win_fill = w
+        self.valid[:, self.win_at : self.win_at + w] = True
+        # Host store: middle tokens in token order, one block of rows per KV head.
+        self.host_cap = max(64, 2 * mid)
+        self.host_k = self.backend.host_empty((H, self.host_cap, d), self.dtype)
+        self.host_v = self.backend.host_empty((H, self.host_cap, d), self.dtype)
+        self.host_k[:, :mid] = k[:, sink : sink + mid].to("cpu")
+        self.host_v[:, :mid] = v[:, sink : sink + mid].to("cpu")
+        self.mid = mid
+        # Pool slots: slot -> (page, version, fill); -1 = empty.
+        self.slot_page = np.full((H, P), -1, np.int64)
+        self.slot_version = np.zeros((H, P), np.int64)
+        self.slot_fill = np.zeros((H, P), np.int64)
+        self.selected = [np.empty(0, np.int32) for _ in range(H)]
+        if self.anchor is None:
+            t0 = time.perf_counter()
+            keys_np = self.host_k[:, :mid].float().numpy()
+            self.trees = []
+            self.page_version = []
+            for h in range(H):
+                tree = DCITree(d, spec.index, capacity=max(16, mid + 4 * S))
+                tree.insert(keys_np[h])
+                self.trees.append(tree)
+                self.page_version.append(np.zeros(max(64, tree.npages * 2), np.int64))
+            self.stats.index_build_s += time.perf_counter() - t0
+        self.keys = self.values = None  # the dense prefill copy is gone
+        self.decoding = True
+
+    def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """One new token (H, d) into the window; a full window sends its oldest page away."""
+        if self.win_fill == self.win_cap:
+            self._evict(self.spec.page_size)
+        at = self.win_at + self.win_fill
+        self.res_k[:, at] = k
+        self.res_v[:, at] = v
+        self.valid[:, at] = True
+        self.win_fill += 1
+        self.length += 1
+
+    def _evict(self, m: int) -> None:
+        w0, f = self.win_at, self.win_fill
+        old_k = self.res_k[:, w0 : w0 + m].to("cpu")
+        old_v = self.res_v[:, w0 : w0 + m].to("cpu")
+        self.res_k[:, w0 : w0 + f - m] = self.res_k[:, w0 + m : w0 + f].clone()
+        self.res_v[:, w0 : w0 + f - m] = self.res_v[:, w0 + m : w0 + f].clone()
+        self.valid[:, w0 + f - m : w0 + f] = False
+        self.win_fill -= m
+        if self.mid + m > self.host_cap:
+            cap = 2 * (self.mid + m)
+            for name in ("host_k", "host_v"):
+                old = getattr(self, name)
+                new = self.backend.host_empty((self.H, cap, self.d), self.dtype)
+                new[:, : self.mid] = old[:, : self.mid]
+                setattr(self, name, new)
+            self.host_cap = cap
+        self.host_k[:, self.mid : self.mid + m] = old_k
+        self.host_v[:, self.mid : self.mid + m] = old_v
+        self.mid += m
+        if self.anchor is None:
+            t0 = time.perf_counter()
+            keys_np = old_k.float().numpy()
+            for h, tree in enumerate(self.trees):
+                dirty = tree.insert(keys_np[h])
+                ver = self.page_version[h]
+                if tree.npages > len(ver):
+                    grown = np.zeros(2 * tree.npages, np.int64)
+                    grown[: len(ver)] = ver
+                    self.page_version[h] = ver = grown
+                ver[dirty] += 1
+            self.stats.index_insert_s += time.perf_counter() - t0
+
+    # -- the decode step ---------------------------------------------------------------------------
+    def _layout(self):
+        """(trees, page versions) whose pages this layer loads: its own or its anchor's."""
+        src = self.anchor if self.anchor is not None else self
+        return src.trees, src.page_version
+
+    def select(self, q: torch.Tensor) -> None:
+        """q: (H * G, d) query heads of this step; sets ``selected`` (pages per KV head)."""
+        P = self.spec.budget_pages
+        if self.anchor is not None:
+            self.selected = self.anchor.selected
+            return
+        t0 = time.perf_counter()
+        G = q.shape[0] // self.H
+        qn = q.detach().float().cpu().numpy()
+        k = P * self.spec.page_size
+
+        def one(h: int) -> np.ndarray:
+            return self.trees[h].select_group(qn[h * G : (h + 1) * G], k, P)
+
+        pool = _workers()
+        if pool is None or self.H == 1:
+            self.selected = [one(h) for h in range(self.H)]
+        else:  # the numba kernels release the GIL: heads in parallel
+            self.selected = list(pool.map(one, range(self.H)))
+        self.stats.query_s += time.perf_counter() - t0
+
+    def load(self) -> None:
+        """Bring the selected pages into the pool: only those not resident (or stale)."""
+        t0 = time.perf_counter()
+        S = self.spec.page_size
+        P = self.spec.budget_pages
+        trees, versions = self._layout()
+        src_rows, dst_rows = [], []
+        loaded = selected = 0
+        pool = self.valid[:, self.pool_at : self.win_at].reshape(self.H, P, S)
+        for h in range(self.H):
+            want = self.selected[h].astype(np.int64)
+            selected += len(want)
+            tree, ver = trees[h], versions[h]
+            slots = self.slot_page[h]
+            live = (slots >= 0) & (self.slot_version[h] == ver[np.maximum(slots, 0)])
+            hit = live & np.isin(slots, want)
+            missing = want[~np.isin(want, slots[hit])]
+            free = np.flatnonzero(~hit)[: len(missing)]
+            if len(missing):
+                counts = tree.count[missing]
+                rows = tree.members[missing]  # (m, S), -1 past each page's count
+                used = np.arange(S)[None, :] < counts[:, None]
+                src_rows.append(h * self.host_cap + rows[used].astype(np.int64))
+                dst = h * self.L + self.pool_at + free[:, None] * S + np.arange(S)[None, :]
+                dst_rows.append(dst[used])
+                slots[free] = missing
+                self.slot_version[h, free] = ver[missing]
+                self.slot_fill[h, free] = counts
+            loaded += len(missing)
+            inuse = hit.copy()
+            inuse[free] = True
+            pool[h] = inuse[:, None] & (np.arange(S)[None, :] < self.slot_fill[h][:, None])
+        if src_rows:
+            src = torch.from_numpy(np.concatenate(src_rows))
+            dst = torch.from_numpy(np.concatenate(dst_rows))
+            self.stats.bytes_moved += self.backend.load_rows(
+                self.host_k.view(-1, self.d), self.host_v.view(-1, self.d), src,
+                self.res_k.view(-1, self.d), self.res_v.view(-1, self.d), dst)
+        self.valid[:, self.pool_at : self.win_at] = pool.reshape(self.H, P * S)
+        self.stats.pages_loaded += loaded
+        self.stats.pages_selected += selected
+        self.stats.load_s += time.perf_counter() - t0
+
+    def resident_kv(self):
+        """Keys, values (H, L, d) and the validity mask (H, L) of sink + pool + window."""
+        valid = torch.from_numpy(self.valid)
+        if self.res_k.device.type != "cpu":
+            valid = valid.to(self.res_k.device, non_blocking=True)
+        return self.res_k, self.res_v, valid
+
+    def device_bytes(self) -> int:
+        if not self.decoding:
+            return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+        return int(2 * self.res_k.numel() * self.res_k.element_size())
+
+    def host_bytes(self) -> int:
+        if not self.decoding:
+            return 0
+        return 2 * self.H * self.mid * self.d * self.host_k.element_size()
+
+
+class IceCache(Cache):
+    """Dense layers below ``dense_layers``; :class:`IceLayer` from there on."""
+
+    def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
+                 reuse_every: int = 1, device: torch.device | str = "cpu"):
+        self.spec = spec
+        self.backend = TorchBackend(device)
+        self.stats = StepStats()
+        layers: list = []
+        anchor = None
+        for i in range(num_layers):
+            if i < dense_layers:
+                layers.append(DynamicLayer())
+                continue
+            if reuse_every > 1 and (i - dense_layers) % reuse_every:
+                layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor))
+            else:
+                anchor = IceLayer(i, spec, self.backend, self.stats)
+                layers.append(anchor)
+        super().__init__(layers=layers)
+        self.num_dense = dense_layers
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        _current.cache = self
+        if layer_idx == self.num_dense and key_states.shape[2] == 1:
+            self.stats.steps += 1
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def ice_layers(self) -> list[IceLayer]:
+        return [layer for layer in self.layers if isinstance(layer, IceLayer)]
+
+    def device_kv_bytes(self) -> int:
+        dense = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers
+                    if isinstance(layer, DynamicLayer) and layer.is_initialized)
+        return dense + sum(layer.device_bytes() for layer in self.ice_layers())
+
+    def host_kv_bytes(self) -> int:
+        return sum(layer.host_bytes() for layer in self.ice_layers())

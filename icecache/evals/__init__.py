@@ -1,0 +1,1 @@
+"""Locally generated evaluation tasks (no downloads) and their scorers."""
