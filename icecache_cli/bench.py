@@ -24,7 +24,7 @@ def parse_size(text: str) -> int:
             return int(float(t[:-1]) * 1024)
         return int(t)
     except ValueError:
-        raise UsageError(f"--keys: '{text}' is not a size like 8192, 8k or 128k") from None
+        raise UsageError(f"size '{text}' is not a size like 8192, 8k or 128k") from None
 
 
 @bench_app.command("index")
@@ -33,7 +33,7 @@ def index(
     layers: Annotated[str, typer.Option("--layers", help="Layers to capture (>= 2).")] = "2,15,29",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
-    beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 30,
+    beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
@@ -88,3 +88,50 @@ def print_table(s: dict) -> None:
         f"query {q['ice']:.0f} us/head vs exact {q['exact']:.0f} us/head ({s['speedup_vs_exact']:.2f}x)  "
         f"build {s['build_us_per_key']:.2f} us/key  insert {s['insert_us_per_key']:.2f} us/key  "
         f"{s['bytes_per_key']:.0f} B/key", markup=False)
+
+
+@bench_app.command("decode")
+def decode(
+    ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
+    methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline.")] = "full,ice",
+    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None,
+    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+) -> None:
+    """Time per output token, resident KV bytes and the per-token breakdown, per method."""
+    from icecache.bench import decode_bench
+    from icecache.methods import check_method
+    from icecache.models import load_model
+
+    with user_errors(), Reporter(quiet) as rep:
+        sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
+        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
+        settings = resolve_settings(profile, budget=budget)
+        loaded = load_model(model, settings, log=rep.info)
+        results = []
+        for n in sizes:
+            base = None
+            for method in method_list:
+                rep.info(f"{method} at {n} tokens: prefill ...")
+                r = decode_bench.run(loaded, settings, method, n, steps=steps,
+                                     on_progress=lambda d, t: rep.progress("prefill", d, t))
+                rep.close()
+                row = r.as_dict()
+                base = base or r
+                row["tpot_ratio_vs_" + base.method] = base.tpot_ms / r.tpot_ms
+                row["device_kv_share_of_" + base.method] = r.device_kv_bytes / max(1, base.device_kv_bytes)
+                results.append(row)
+                if not quiet:
+                    stderr.print(
+                        f"{method:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
+                        f"{base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
+                        f"device KV {r.device_kv_bytes / 2**20:.1f} MiB "
+                        f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}), "
+                        f"host KV {r.host_kv_bytes / 2**20:.1f} MiB"
+                        + ("; per token: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.breakdown_ms.items())
+                           if r.breakdown_ms else ""), markup=False)
+        if as_json:
+            emit(json.dumps({"results": results}))

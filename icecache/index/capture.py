@@ -64,8 +64,8 @@ def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chun
             seed: int = 0, on_chunk=None, exact_max: int | None = None, sink: int = 4) -> Capture:
     """Keys of the first ``num_keys`` tokens and queries of the next ``num_queries``."""
     from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
-    from transformers.masking_utils import sdpa_mask
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
 
     model, tok = loaded.model, loaded.tokenizer
     cfg = model.config

@@ -1,0 +1,107 @@
+"""``icecache bench decode``: time per output token and resident KV bytes, per method, same run.
+
+For each context length, generated text of that many tokens goes through the model's own
+(chunked, full-attention) prefill under each method; then ``steps`` decode steps are timed one
+by one (after ``warmup`` untimed ones, which also pay for numba compilation and index building).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass, field
+
+import numpy as np
+import torch
+
+from ..generation import Session
+from ..index.capture import generated_text
+
+
+@dataclass
+class DecodeResult:
+    method: str
+    ctx: int
+    budget: int
+    prefill_s: float
+    tt2t_s: float  # prefill + first decode step (index build included): time to the second token
+    tpot_ms: float
+    tpot_p90_ms: float
+    device_kv_bytes: int
+    host_kv_bytes: int
+    breakdown_ms: dict = field(default_factory=dict)
+    pages_loaded_per_step: float = 0.0
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def context_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
+    ids: list[int] = []
+    words = n
+    while len(ids) < n:
+        ids = tokenizer(generated_text(words, seed))["input_ids"]
+        words = int(words * 1.3) + 16
+    return ids[:n]
+
+
+def kv_bytes(cache) -> tuple[int, int]:
+    """(device-resident KV bytes, host-store KV bytes) of a cache."""
+    if hasattr(cache, "device_kv_bytes"):
+        return cache.device_kv_bytes(), cache.host_kv_bytes()
+    total = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
+                if getattr(layer, "keys", None) is not None)
+    return total, 0
+
+
+def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 2,
+        on_progress=None) -> DecodeResult:
+    ids = context_ids(loaded.tokenizer, ctx)
+    session = Session(loaded, settings, method)
+    t0 = time.perf_counter()
+    with torch.inference_mode():
+        session._start(ids)
+        chunk = settings.chunk_size
+        for lo in range(0, len(ids), chunk):
+            logits = session._forward(ids[lo : lo + chunk])
+            if on_progress:
+                on_progress(min(lo + chunk, len(ids)), len(ids))
+        prefill = time.perf_counter() - t0
+        token = int(torch.argmax(logits))
+        times = []
+        stats0 = None
+        for i in range(warmup + steps):
+            t = time.perf_counter()
+            logits = session._forward([token])
+            dt = time.perf_counter() - t
+            if i == 0:
+                tt2t = time.perf_counter() - t0
+            token = int(torch.argmax(logits))
+            if i == warmup - 1 or (warmup == 0 and i == 0):
+                stats0 = _stats(session.cache)
+            if i >= warmup:
+                times.append(dt)
+    dev, host = kv_bytes(session.cache)
+    breakdown, loaded_pages = {}, 0.0
+    s1 = _stats(session.cache)
+    if s1 and stats0:
+        n = len(times)
+        breakdown = {
+            "index_query": 1000 * (s1["query_s"] - stats0["query_s"]) / n,
+            "page_loading": 1000 * (s1["load_s"] - stats0["load_s"]) / n,
+            "ice_attention": 1000 * (s1["attention_s"] - stats0["attention_s"]) / n,
+        }
+        breakdown["rest_of_model"] = 1000 * float(np.median(times)) - sum(breakdown.values())
+        loaded_pages = (s1["pages_loaded"] - stats0["pages_loaded"]) / n
+    return DecodeResult(
+        method=method, ctx=len(ids), budget=settings.budget, prefill_s=prefill, tt2t_s=tt2t,
+        tpot_ms=1000 * float(np.median(times)), tpot_p90_ms=1000 * float(np.percentile(times, 90)),
+        device_kv_bytes=dev, host_kv_bytes=host, breakdown_ms=breakdown,
+        pages_loaded_per_step=loaded_pages)
+
+
+def _stats(cache):
+    st = getattr(cache, "stats", None)
+    if st is None:
+        return None
+    return {"query_s": st.query_s, "load_s": st.load_s, "attention_s": st.attention_s,
+            "pages_loaded": st.pages_loaded}

@@ -1,0 +1,219 @@
+"""The IceCache manager inside transformers: exactness against the dense cache, pool accounting,
+the attention kernels against their reference, architectures, and a passkey check."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.cache import IceCache, IceSpec, paged_decode_reference
+from icecache.cache.attention import paged_decode_sdpa
+from icecache.index import IndexConfig
+from icecache.methods import make_cache, prepare_model
+
+
+def tiny_model(arch: str, kv_heads: int = 2):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=kv_heads, max_position_embeddings=4096)
+    cfg = {
+        "llama": lambda: tf.LlamaConfig(**common),
+        "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
+        "qwen2": lambda: tf.Qwen2Config(**common),
+        "qwen3": lambda: tf.Qwen3Config(**common, head_dim=16),
+    }[arch]()
+    cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[arch]
+    model = cls(cfg).eval()
+    return model
+
+
+def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4) -> IceSpec:
+    return IceSpec(page_size=page, budget_pages=budget_pages, sink_tokens=sink,
+                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1))
+
+
+def run_steps(model, cache, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
+    """Prefill ``prompt`` in two chunks, then feed ``forced`` one token at a time; logits per step."""
+    out = []
+    with torch.inference_mode():
+        half = len(prompt) // 2
+        model(input_ids=torch.tensor([prompt[:half]]), past_key_values=cache, use_cache=True)
+        r = model(input_ids=torch.tensor([prompt[half:]]), past_key_values=cache, use_cache=True,
+                  logits_to_keep=1)
+        out.append(r.logits[0, -1])
+        for t in forced:
+            r = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out.append(r.logits[0, -1])
+    return out
+
+
+def ice_cache(model, s: IceSpec, dense: int = 1, reuse: int = 1) -> IceCache:
+    prepare_model("ice", model)
+    return IceCache(model.config.num_hidden_layers, s, dense_layers=dense, reuse_every=reuse)
+
+
+def full_cache(model):
+    from transformers import DynamicCache
+
+    prepare_model("full", model)
+    return DynamicCache(config=model.config)
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("mistral", 2), ("qwen2", 1), ("qwen3", 2)])
+def test_budget_covering_everything_equals_full(arch, kv_heads):
+    """With room for every page, ice decodes exactly like the dense cache, through evictions."""
+    model = tiny_model(arch, kv_heads)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 97, 150).tolist()
+    forced = rng.integers(0, 97, 40).tolist()  # 40 steps: the window (8 + 4) evicts pages
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    cache = ice_cache(model, spec(budget_pages=256))
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    layer = cache.ice_layers()[0]
+    assert layer.length == 190 and layer.sink_len + layer.mid + layer.win_fill == 190
+    assert layer.mid > 150 - 8 - 8  # pages left the window for the host store and the index
+    assert cache.stats.steps == 40 and cache.stats.pages_loaded > 0
+
+
+def test_reuse_variant_with_full_budget_equals_full():
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(2)
+    prompt, forced = rng.integers(0, 97, 120).tolist(), rng.integers(0, 97, 30).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    cache = ice_cache(model, spec(budget_pages=256), dense=1, reuse=2)
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    layers = cache.ice_layers()
+    assert layers[0].anchor is None and layers[1].anchor is layers[0] and layers[2].anchor is None
+    assert not hasattr(layers[1], "trees")
+
+
+def test_small_budget_pool_accounting():
+    """Small pool: resident slots hold exactly their pages' host rows; sizes stay fixed."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(3)
+    cache = ice_cache(model, spec(budget_pages=3))
+    prompt = rng.integers(0, 97, 300).tolist()
+    run_steps(model, cache, prompt, rng.integers(0, 97, 5).tolist())
+    layer = cache.ice_layers()[1]
+    size_before = layer.device_bytes()
+    run_steps_more = rng.integers(0, 97, 30).tolist()
+    with torch.inference_mode():
+        for t in run_steps_more:
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    assert layer.device_bytes() == size_before  # the pool does not grow with the context
+    S, P = 4, 3
+    assert layer.length == 335 and layer.sink_len + layer.mid + layer.win_fill == 335
+    for h in range(layer.H):
+        tree = layer.trees[h]
+        want = set(layer.selected[h].tolist())
+        assert 0 < len(want) <= P
+        pool_valid = layer.valid[h, layer.pool_at : layer.win_at].reshape(P, S)
+        for s in range(P):
+            page = int(layer.slot_page[h, s])
+            if page not in want:
+                assert not pool_valid[s].any()
+                continue
+            members = tree.members[page, : tree.count[page]]
+            assert pool_valid[s].sum() == len(members)
+            rows = layer.res_k[h, layer.pool_at + s * S : layer.pool_at + s * S + len(members)]
+            torch.testing.assert_close(rows, layer.host_k[h, members])
+        assert {int(p) for p in layer.slot_page[h] if p >= 0} >= want
+    # Everything the model saw is somewhere: sink + host store + window.
+    assert cache.host_kv_bytes() > 0 and cache.device_kv_bytes() > 0
+
+
+def test_paged_decode_sdpa_matches_reference():
+    torch.manual_seed(0)
+    q, k, v = torch.randn(3, 3, 16), torch.randn(3, 40, 16), torch.randn(3, 40, 16)
+    valid = torch.rand(3, 40) > 0.4
+    valid[:, 0] = True
+    torch.testing.assert_close(paged_decode_sdpa(q, k, v, valid, 0.25),
+                               paged_decode_reference(q, k, v, valid, 0.25), atol=1e-5, rtol=1e-5)
+    # masked rows really are ignored
+    k2 = k.clone()
+    k2[~valid] = 1e4
+    torch.testing.assert_close(paged_decode_sdpa(q, k2, v, valid, 0.25),
+                               paged_decode_sdpa(q, k, v, valid, 0.25), atol=1e-5, rtol=1e-5)
+
+
+def test_make_cache_for_methods(cpu_settings, loaded):
+    cache = make_cache("ice", loaded.model, cpu_settings)
+    assert isinstance(cache, IceCache) and len(cache.ice_layers()) == 28
+    assert loaded.model.config._attn_implementation == "icecache"
+    reuse = make_cache("ice-reuse", loaded.model, cpu_settings)
+    assert sum(layer.anchor is None for layer in reuse.ice_layers()) == 10  # layers 2, 5, ..., 29
+    make_cache("full", loaded.model, cpu_settings)
+    assert loaded.model.config._attn_implementation == "sdpa"
+
+
+def test_passkey_ice_answers_what_full_answers(cpu_settings, loaded):
+    """The embedded model at ~1.5k tokens: budget 64; sink+window alone shows the check can fail."""
+    from icecache.evals import passkey
+    from icecache.generation import Session
+
+    tok = loaded.tokenizer
+    results = {}
+    for method, settings in [("full", cpu_settings), ("ice", cpu_settings.replace(budget=64)),
+                             ("ice", cpu_settings.replace(budget=16, sink_pages=1, window_pages=1))]:
+        for case in passkey.cases(tok, 1500, 2, seed=4):
+            out, _ = Session(loaded, settings, method).generate(tok(case.prompt)["input_ids"], 7)
+            results.setdefault((method, settings.budget), []).append(passkey.score(tok.decode(out), case.answer))
+    assert results[("full", 256)] == [1.0, 1.0]
+    assert results[("ice", 64)] == results[("full", 256)]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_cuda_backend_matches_cpu():
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(5)
+    prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 30).tolist()
+    cpu = run_steps(model, ice_cache(model, spec(budget_pages=6)), prompt, forced)
+    model = model.cuda()
+    prepare_model("ice", model)
+    cache = IceCache(4, spec(budget_pages=6), dense_layers=1, device="cuda")
+    with torch.inference_mode():
+        half = len(prompt) // 2
+        model(input_ids=torch.tensor([prompt[:half]], device="cuda"), past_key_values=cache)
+        r = model(input_ids=torch.tensor([prompt[half:]], device="cuda"), past_key_values=cache)
+        gpu = [r.logits[0, -1].cpu()]
+        for t in forced:
+            r = model(input_ids=torch.tensor([[t]], device="cuda"), past_key_values=cache)
+            gpu.append(r.logits[0, -1].cpu())
+    for a, b in zip(cpu, gpu, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-3, rtol=1e-3)
+
+
+def test_plan_head_matches_reference():
+    from icecache.cache.kernels import plan_head, plan_head_reference
+
+    rng = np.random.default_rng(7)
+    S, P = 4, 5
+    members = rng.integers(0, 500, (30, S)).astype(np.int32)
+    count = rng.integers(1, S + 1, 30).astype(np.int32)
+    for _ in range(200):
+        version = rng.integers(0, 3, 30).astype(np.int64)
+        slot_page = rng.choice(np.r_[-1, np.arange(30)], P).astype(np.int64)
+        slot_version = rng.integers(0, 3, P).astype(np.int64)
+        slot_fill = rng.integers(0, S + 1, P).astype(np.int64)
+        want = rng.choice(30, rng.integers(0, P + 1), replace=False).astype(np.int64)
+        a = [slot_page.copy(), slot_version.copy(), slot_fill.copy()]
+        b = [slot_page.copy(), slot_version.copy(), slot_fill.copy()]
+        src, dst = np.empty(P * S, np.int64), np.empty(P * S, np.int64)
+        valid = np.zeros(P * S, np.bool_)
+        m, loaded = plan_head(want, *a, version, members, count, 1000, 50, S, valid, src, dst, 0)
+        rs, rd, rv, rl = plan_head_reference(want, *b, version, members, count, 1000, 50, S)
+        assert loaded == rl and (src[:m] == rs).all() and (dst[:m] == rd).all() and (valid == rv).all()
+        for x, y in zip(a, b, strict=True):
+            assert (x == y).all()
+        # every wanted page is resident afterwards, at its current version
+        for p in want:
+            assert any(a[0][s] == p and a[1][s] == version[p] for s in range(P))
