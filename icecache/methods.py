@@ -2,7 +2,9 @@
 
 ``full`` keeps every key and value (transformers' dense cache and SDPA attention). ``ice`` is the
 IceCache paged cache (:mod:`icecache.cache`); ``ice-reuse`` its variant where only every
-``reuse_every``-th layer queries its index. The baselines are registered here as they arrive;
+``reuse_every``-th layer queries its index. ``streaming`` is the same paged cache with sink and
+window pages only (StreamingLLM); ``oracle`` keeps the dense cache and lets each query head
+attend to its exact top-``budget`` tokens plus sink and window (an upper bound, not a method). The baselines are registered here as they arrive;
 naming one that is not built yet is a clear error.
 """
 
@@ -13,8 +15,9 @@ from typing import Any
 from .config import Settings
 from .errors import MethodUnavailable
 
-AVAILABLE = ("full", "ice", "ice-reuse")
-PLANNED = ("oracle", "streaming", "snapkv", "quest")
+AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "streaming")
+PLANNED = ("snapkv", "quest")
+ICE_FAMILY = ("ice", "ice-reuse", "streaming")  # the paged cache (streaming: no selected pages)
 
 
 def check_method(method: str) -> str:
@@ -30,25 +33,31 @@ def check_method(method: str) -> str:
     )
 
 
-def ice_spec(settings: Settings):
+def ice_spec(settings: Settings, pages: bool = True):
     from .cache import IceSpec
     from .index import IndexConfig
 
     return IceSpec(
         page_size=settings.page_size,
-        budget_pages=settings.budget_pages,
+        budget_pages=settings.budget_pages if pages else 0,
         sink_tokens=settings.sink_pages * settings.page_size,
         window_tokens=settings.window_pages * settings.page_size,
-        index=IndexConfig(page_size=settings.page_size),
+        index=IndexConfig(page_size=settings.page_size, beam=settings.index_beam),
     )
 
 
-def prepare_model(method: str, model: Any) -> None:
+def prepare_model(method: str, model: Any, settings: Settings | None = None) -> None:
     """Select the attention implementation ``method`` needs (the model is shared by runs)."""
-    if method in ("ice", "ice-reuse"):
+    if method in ICE_FAMILY:
         from .cache import register
 
         name = register()
+    elif method == "oracle":
+        from .cache import oracle
+
+        s = settings or Settings()
+        name = oracle.register(s.budget, s.sink_pages * s.page_size, s.window_pages * s.page_size,
+                               s.dense_layers)
     else:
         name = "sdpa"
     if model.config._attn_implementation != name:
@@ -58,12 +67,13 @@ def prepare_model(method: str, model: Any) -> None:
 def make_cache(method: str, model: Any, settings: Settings) -> Any:
     """A fresh cache object for one sequence under ``method``."""
     check_method(method)
-    prepare_model(method, model)
-    if method in ("ice", "ice-reuse"):
+    prepare_model(method, model, settings)
+    if method in ICE_FAMILY:
         from .cache import IceCache
 
         return IceCache(
-            model.config.num_hidden_layers, ice_spec(settings), dense_layers=settings.dense_layers,
+            model.config.num_hidden_layers, ice_spec(settings, pages=method != "streaming"),
+            dense_layers=settings.dense_layers,
             reuse_every=settings.reuse_every if method == "ice-reuse" else 1, device=model.device)
     from transformers import DynamicCache
 

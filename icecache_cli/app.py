@@ -13,7 +13,7 @@ import typer
 
 from icecache import __version__
 
-from . import bench, profiles, tasks
+from . import bench, evaluate, profiles, tasks
 from .output import error, silence_stdout
 
 app = typer.Typer(
@@ -28,6 +28,7 @@ app.command()(tasks.summarize)
 app.command()(tasks.qa)
 app.command()(tasks.cot)
 app.command()(profiles.profiles)
+app.command("eval")(evaluate.evaluate)
 app.add_typer(bench.bench_app, name="bench")
 
 

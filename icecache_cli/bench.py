@@ -114,11 +114,13 @@ def decode(
         results = []
         for n in sizes:
             base = None
+            rep.info(f"prefill of {n} tokens (shared by the methods) ...")
+            shared = decode_bench.prefill(loaded, settings, n, lambda d, t: rep.progress("prefill", d, t))
+            rep.close()
+            rep.info(f"prefill: {shared[3]:.1f} s")
             for method in method_list:
-                rep.info(f"{method} at {n} tokens: prefill ...")
-                r = decode_bench.run(loaded, settings, method, n, steps=steps,
-                                     on_progress=lambda d, t: rep.progress("prefill", d, t))
-                rep.close()
+                rep.info(f"{method} at {n} tokens: decoding ...")
+                r = decode_bench.run(loaded, settings, method, n, steps=steps, shared=shared)
                 row = r.as_dict()
                 base = base or r
                 row["tpot_ratio_vs_" + base.method] = base.tpot_ms / r.tpot_ms
@@ -127,11 +129,12 @@ def decode(
                 if not quiet:
                     stderr.print(
                         f"{method:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
-                        f"{base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
+                        f"speed-up {base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
                         f"device KV {r.device_kv_bytes / 2**20:.1f} MiB "
                         f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}), "
                         f"host KV {r.host_kv_bytes / 2**20:.1f} MiB"
                         + ("; per token: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.breakdown_ms.items())
                            if r.breakdown_ms else ""), markup=False)
+            del shared
         if as_json:
             emit(json.dumps({"results": results}))

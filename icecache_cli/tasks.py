@@ -30,10 +30,14 @@ ProfileOpt = Annotated[
     str | None,
     typer.Option("--profile", "-p", help="Hardware profile name (see `icecache profiles`) or YAML path. Default: cpu without CUDA.", show_default=False),
 ]
-MethodOpt = Annotated[str, typer.Option("--method", help="KV-cache method: full (ice and baselines: coming).")]
+MethodOpt = Annotated[str, typer.Option("--method", help="KV-cache method: full, ice, ice-reuse, streaming, oracle.")]
 BudgetOpt = Annotated[
     int | None,
     typer.Option("--budget", help="Tokens of selected KV pages per head (a multiple of the page size). Default: the profile's.", show_default=False),
+]
+ReuseOpt = Annotated[
+    int | None,
+    typer.Option("--reuse-every", min=1, help="ice-reuse: one layer in N queries its index, the next N-1 reuse its pages. Default: the profile's (3).", show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
@@ -73,19 +77,29 @@ def run_task(
     as_json: bool,
     quiet: bool,
     job: Callable[[Runner, str, Reporter], TaskResult],
+    reuse_every: int | None = None,
 ) -> None:
     """Shared flow: validate settings, read the input, load the model, run, print."""
     with user_errors(), Reporter(quiet) as reporter:
         source = _input_source(file)
-        settings = resolve_settings(profile, budget=budget)
+        settings = resolve_settings(profile, budget=budget, reuse_every=reuse_every)
         check_device(settings)
         check_method(method)
         text = read_document(source)
         _set_threads(settings.cpu_threads, reporter)
         loaded = load_model(model, settings, log=reporter.info)
         reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
-        result = job(Runner(loaded, settings, method), text, reporter)
+        runner = Runner(loaded, settings, method)
+        result = job(runner, text, reporter)
         reporter.close()
+        stats = getattr(runner.session.cache, "stats", None)
+        if stats is not None and stats.steps:
+            d = stats.as_dict()
+            reporter.info(
+                f"{method}: {d['pages_loaded_per_step']:.0f} of {d['pages_selected_per_step']:.0f} pages "
+                f"loaded per step ({d['bytes_moved_per_step'] / 2**20:.2f} MiB); index query "
+                f"{d['query_ms_per_step']:.1f} ms, loading {d['load_ms_per_step']:.1f} ms, attention "
+                f"{d['attention_ms_per_step']:.1f} ms per step; index built in {d['index_build_s']:.2f} s")
         for s in result.stats:
             reporter.info(
                 f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s; "
@@ -114,13 +128,14 @@ def summarize(
     profile: ProfileOpt = None,
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
+    reuse_every: ReuseOpt = None,
     repetition_penalty: _penalty_opt(SUMMARY_REPETITION_PENALTY) = SUMMARY_REPETITION_PENALTY,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarize a document."""
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty))
+             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)
 
 
 def qa(
@@ -131,6 +146,7 @@ def qa(
     profile: ProfileOpt = None,
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
+    reuse_every: ReuseOpt = None,
     repetition_penalty: _penalty_opt(1.0) = 1.0,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -139,7 +155,7 @@ def qa(
     if not question:
         raise typer.BadParameter("give at least one question with -q/--question", param_hint="'-q'")
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty))
+             lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)
 
 
 def cot(
@@ -149,10 +165,11 @@ def cot(
     profile: ProfileOpt = None,
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
+    reuse_every: ReuseOpt = None,
     repetition_penalty: _penalty_opt(1.0) = 1.0,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Reason step by step over a problem; the last line is the extracted final answer."""
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty))
+             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)

@@ -82,3 +82,22 @@ def test_chunked_prefill_matches_one_shot(loaded, cpu_settings):
     k1 = one.cache.layers[5].keys
     k2 = chunked.cache.layers[5].keys
     torch.testing.assert_close(k1, k2, atol=1e-4, rtol=1e-4)
+
+
+def test_summarize_with_ice_method_and_json_stats():
+    r = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--budget", "64", "--json",
+                 "--max-new-tokens", "40", "--quiet"])
+    assert r.returncode == 0, r.stderr.decode()
+    obj = json.loads(r.stdout.decode().strip().splitlines()[-1])
+    assert obj["method"] == "ice" and obj["budget"] == 64
+    assert len(obj["output"].split()) >= 5
+
+
+def test_qa_with_ice_several_questions(loaded, cpu_settings):
+    """The ice cache cannot be cut back to a prefix: each question gets a fresh prefill. A short
+    document fits in the budget, so the answers are exactly those of the full cache."""
+    questions = ["What is the name of the cat?", "Where does the cat sleep?"]
+    result = Runner(loaded, cpu_settings, "ice").qa(CAT_DOC, questions, max_new_tokens=40)
+    assert all(s.tokens_prefilled == s.tokens_in for s in result.stats)
+    assert result.output == Runner(loaded, cpu_settings, "full").qa(CAT_DOC, questions, max_new_tokens=40).output
+    assert "Biscuit" in result.output[0]

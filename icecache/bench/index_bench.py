@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from icecache.index import DCITree, IndexConfig, merge_group_pages
+from icecache.index import DCITree, IndexConfig
 
 # Per query head, each with the whole budget (the basis exact top-k has); ``ice_gqa``: the
 # group's page lists merged rank by rank into one budget per KV head (what the cache loads).
@@ -110,9 +110,10 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                 s = K @ q / np.sqrt(d)
                 e = np.exp(s - s.max())
                 probs.append(e / e.sum())
-            # Timed: the index's top-k search vs exact scoring + top-k, per query head.
+            # Timed: the index's top-k search (the group's query heads walking the tree together,
+            # as the cache does) vs exact scoring + top-k, per query head.
             t0 = time.perf_counter()
-            ids, _ = tree.search(qs, max(res.budgets))
+            ids, _ = tree.search_group(qs, max(res.budgets))
             res.query_s["ice"] += time.perf_counter() - t0
             t0 = time.perf_counter()
             for q in qs:
@@ -133,7 +134,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     best = np.full(tree.npages, -np.inf)
                     np.maximum.at(best, page_of, sc)
                     oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
-                merged = merge_group_pages(ice, P)
+                merged = tree.select_group(qs, budget, P)  # the cache's own selection
                 gqa_tok = mid[np.isin(page_of, merged)]
                 for r, p in enumerate(probs):
                     quest = quest_pages(M, qs[r], page_size, P)

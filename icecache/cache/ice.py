@@ -189,7 +189,8 @@ class IceLayer(CacheLayerMixin):
         self.slot_version = np.zeros((H, P), np.int64)
         self.slot_fill = np.zeros((H, P), np.int64)
         self.selected = [np.empty(0, np.int32) for _ in range(H)]
-        if self.anchor is None:
+        self.indexed = self.anchor is None and P > 0  # streaming (no pages): no index
+        if self.indexed:
             t0 = time.perf_counter()
             keys_np = self.host_k[:, :mid].float().numpy()
             self.trees = []
@@ -233,7 +234,7 @@ class IceLayer(CacheLayerMixin):
         self.host_k[:, self.mid : self.mid + m] = old_k
         self.host_v[:, self.mid : self.mid + m] = old_v
         self.mid += m
-        if self.anchor is None:
+        if self.indexed:
             t0 = time.perf_counter()
             keys_np = old_k.float().numpy()
             for h, tree in enumerate(self.trees):
@@ -258,6 +259,8 @@ class IceLayer(CacheLayerMixin):
         if self.anchor is not None:
             self.selected = self.anchor.selected
             return
+        if P == 0:
+            return  # streaming: sink and window only
         t0 = time.perf_counter()
         G = q.shape[0] // self.H
         qn = q.detach().float().cpu().numpy()
@@ -277,6 +280,8 @@ class IceLayer(CacheLayerMixin):
         """Bring the selected pages into the pool: only those not resident (or stale)."""
         t0 = time.perf_counter()
         S = self.spec.page_size
+        if self.spec.budget_pages == 0:
+            return
         trees, versions = self._layout()
         need = sum(len(w) for w in self.selected) * S
         src = np.empty(need, np.int64)

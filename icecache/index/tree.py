@@ -55,6 +55,7 @@ class IndexConfig:
     beam_frac: float = 0.001
     visit_frac: float = 1.0
     parent_beam: int = 8
+    shared_walk: bool = True
 
     def __post_init__(self):
         if self.promotion not in ("deterministic", "random"):
@@ -78,6 +79,7 @@ class DCITree:
         self.M = 0.0
         self._rng = np.random.default_rng(self.cfg.seed)
         self._by_level: dict[int, list[np.ndarray]] = {}
+        self._gscr = None
         u = np.random.default_rng(self.cfg.seed + 7919).standard_normal(self.D)
         u[-1] = 0.0
         self.u = (u / np.linalg.norm(u)).astype(np.float32)
@@ -400,11 +402,39 @@ class DCITree:
         ids, _ = self.search(queries, k)
         return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
 
+    def _group_scratch(self, g: int):
+        if self._gscr is None or self._gscr[1].shape[0] < self.n or self._gscr[1].shape[1] != g:
+            self._gscr = (np.zeros(self.cap + 1, np.int64), np.empty((self.cap, g), np.float32))
+        return self._gscr
+
+    def search_group(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
+        """Like :meth:`search`, the queries walking the tree together (shared page reads)."""
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        h = queries.shape[0]
+        ids = np.full((h, k), -1, np.int32)
+        scores = np.full((h, k), -np.inf, np.float32)
+        if self.n == 0:
+            return ids, scores
+        mark, ssc = self._group_scratch(h)
+        kernels.search_group_shared(
+            queries, k, self.beam_for(), self.PX, self.top_level, self.first_page, self.next_page,
+            self.members, self.count, mark, self._sid, ssc, ids, scores)
+        return ids, scores
+
     def select_group(self, queries: np.ndarray, k: int, max_pages: int) -> np.ndarray:
-        """The merged page list of a GQA group (``merge_group_pages`` of ``select_pages``)."""
+        """The merged page list of a GQA group (``merge_group_pages`` of ``select_pages``).
+
+        With ``shared_walk`` (the default) the group's queries walk the tree together
+        (:meth:`search_group`); else each query searches alone (:meth:`search`).
+        """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if self.n == 0:
             return np.empty(0, np.int32)
+        if self.cfg.shared_walk:
+            mark, ssc = self._group_scratch(queries.shape[0])
+            return kernels.select_group_shared(
+                queries, k, max_pages, self.beam_for(), self.PX, self.top_level, self.first_page,
+                self.next_page, self.members, self.count, self.tok_page, mark, self._sid, ssc)
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,

@@ -1,0 +1,78 @@
+"""Fidelity to the dense cache: teacher-forced next-token agreement and mean KL.
+
+``full`` generates greedily from a prompt; the method under test then reads the same prompt and
+is fed ``full``'s tokens one by one. At each step we compare its greedy choice with ``full``'s
+(agreement) and its next-token distribution with ``full``'s (KL(full || method)).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from ..generation import Session
+
+
+@dataclass
+class Reference:
+    prompt: list[int]
+    tokens: list[int]  # full's greedy continuation
+    logprobs: torch.Tensor  # (len(tokens), vocab) full's log-probabilities at each step
+
+
+@dataclass
+class Fidelity:
+    agree: int
+    total: int
+    kl_sum: float
+
+    @property
+    def agreement(self) -> float:
+        return self.agree / max(1, self.total)
+
+    @property
+    def mean_kl(self) -> float:
+        return self.kl_sum / max(1, self.total)
+
+
+def _forced(session: Session, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
+    """Log-probabilities before each of ``tokens`` (the first after the prompt's prefill)."""
+    out = []
+    with torch.inference_mode():
+        session._start(prompt)
+        chunk = session.settings.chunk_size
+        for lo in range(0, len(prompt), chunk):
+            logits = session._forward(prompt[lo : lo + chunk])
+        out.append(torch.log_softmax(logits.float(), -1))
+        for t in tokens[:-1]:
+            logits = session._forward([t])
+            out.append(torch.log_softmax(logits.float(), -1))
+    return out
+
+
+def reference(loaded, settings, prompt: list[int], max_new_tokens: int,
+              force_past_end: bool = False) -> Reference:
+    """``full``'s greedy continuation; past the end of text too when ``force_past_end``."""
+    session = Session(loaded, settings, "full")
+    if force_past_end:
+        stop, session.stop_ids = session.stop_ids, set()
+    tokens, _ = session.generate(prompt, max_new_tokens)
+    if force_past_end:
+        session.stop_ids = stop
+    if not tokens:
+        return Reference(prompt, [], torch.empty(0))
+    logprobs = torch.stack(_forced(Session(loaded, settings, "full"), prompt, tokens))
+    return Reference(prompt, tokens, logprobs)
+
+
+def measure(loaded, settings, method: str, ref: Reference) -> Fidelity:
+    if not ref.tokens:
+        return Fidelity(0, 0, 0.0)
+    got = _forced(Session(loaded, settings, method), ref.prompt, ref.tokens)
+    agree, kl = 0, 0.0
+    for step, lp in enumerate(got):
+        agree += int(int(lp.argmax()) == ref.tokens[step])
+        p = ref.logprobs[step]
+        kl += float((p.exp() * (p - lp)).sum())
+    return Fidelity(agree, len(ref.tokens), kl)

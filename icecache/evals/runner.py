@@ -1,0 +1,118 @@
+"""Evaluation cells (task x method x budget x length), each scored and written as it finishes.
+
+Results go to ``OUT/results.jsonl`` (one line per finished cell, flushed), next to
+``OUT/config.json``; a rerun with the same ``--out`` skips the cells already there.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..generation import Session
+from ..index.capture import generated_text
+from ..prompts import render, summarize_messages
+from . import fidelity, passkey
+
+TASKS = ("passkey", "fidelity")
+BUDGETLESS = ("full", "streaming")  # streaming keeps sink + window only
+
+
+@dataclass(frozen=True)
+class Cell:
+    task: str
+    method: str
+    budget: int
+    length: int
+
+    def key(self) -> tuple:
+        return (self.task, self.method, self.budget, self.length)
+
+
+def cells(tasks, methods, budgets, lengths) -> list[Cell]:
+    out = []
+    for task in tasks:
+        for length in lengths:
+            for method in methods:
+                for budget in ([0] if method in BUDGETLESS else budgets):
+                    out.append(Cell(task, method, budget, length))
+    return out
+
+
+def _settings(base, cell: Cell):
+    return base if cell.budget == 0 else base.replace(budget=cell.budget)
+
+
+def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int]]:
+    """``n`` summarize prompts over generated documents of about ``length`` tokens."""
+    out = []
+    for i in range(n):
+        words = int(length * 0.7)
+        doc = generated_text(words, seed * 100 + i)
+        ids = render(tokenizer, summarize_messages(doc))
+        while len(ids) > length and words > 50:
+            words = int(words * 0.95)
+            doc = generated_text(words, seed * 100 + i)
+            ids = render(tokenizer, summarize_messages(doc))
+        out.append(ids)
+    return out
+
+
+class Evaluator:
+    def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
+                 log: Callable[[str], None] = lambda _m: None):
+        self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        self.new_tokens = new_tokens
+        self.log = log
+        self._refs: dict[int, list] = {}
+
+    def run(self, cell: Cell) -> dict:
+        if cell.task == "passkey":
+            return self._passkey(cell)
+        if cell.task == "fidelity":
+            return self._fidelity(cell)
+        raise ValueError(cell.task)
+
+    def _passkey(self, cell: Cell) -> dict:
+        tok = self.loaded.tokenizer
+        settings = _settings(self.settings, cell)
+        hits = []
+        for case in passkey.cases(tok, cell.length, self.n, self.seed):
+            session = Session(self.loaded, settings, cell.method)
+            out, _ = session.generate(tok(case.prompt)["input_ids"], 8)
+            hits.append(passkey.score(tok.decode(out), case.answer))
+        return {"score": sum(hits) / len(hits), "n": len(hits), "detail": hits}
+
+    def _fidelity(self, cell: Cell) -> dict:
+        if cell.length not in self._refs:
+            prompts = fidelity_prompts(self.loaded.tokenizer, cell.length, self.n, self.seed)
+            self._refs[cell.length] = [
+                fidelity.reference(self.loaded, self.settings, p, self.new_tokens) for p in prompts]
+        agree = total = 0
+        kl = 0.0
+        for ref in self._refs[cell.length]:
+            f = fidelity.measure(self.loaded, _settings(self.settings, cell), cell.method, ref)
+            agree, total, kl = agree + f.agree, total + f.total, kl + f.kl_sum
+        return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
+
+
+def load_done(out: Path | None) -> dict[tuple, dict]:
+    done = {}
+    if out and (out / "results.jsonl").exists():
+        for line in (out / "results.jsonl").read_text().splitlines():
+            try:
+                r = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by a kill: that cell runs again
+            done[(r["task"], r["method"], r["budget"], r["length"])] = r
+    return done
+
+
+def append(out: Path | None, row: dict) -> None:
+    if out is None:
+        return
+    with open(out / "results.jsonl", "a") as f:
+        f.write(json.dumps(row) + "\n")
+        f.flush()

@@ -1,0 +1,94 @@
+"""``icecache eval``: task x method x budget x length cells, scored relative to ``full``."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+import typer
+from rich.table import Table
+
+from icecache.config import resolve_settings
+from icecache.errors import UsageError
+
+from .bench import parse_size
+from .output import Reporter, emit, stderr, user_errors
+
+
+def evaluate(
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, fidelity.")] = "passkey",
+    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference).")] = "full,ice",
+    budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
+    lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
+    n: Annotated[int, typer.Option("--n", min=1, help="Cases (passkey: depths; fidelity: documents) per cell.")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the generated cases.")] = 0,
+    new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="fidelity: tokens full generates per document.")] = 160,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for results.jsonl and config.json; a rerun resumes.", show_default=False)] = None,
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+) -> None:
+    """Score methods on locally generated tasks (no downloads)."""
+    from icecache.evals import runner
+    from icecache.methods import check_method
+    from icecache.models import load_model
+
+    with user_errors(), Reporter(quiet) as rep:
+        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
+        for t in task_list:
+            if t not in runner.TASKS:
+                raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
+        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
+        settings = resolve_settings(profile)
+        budget_list = []
+        for b in budgets.split(","):
+            if not b.strip():
+                continue
+            if not b.strip().isdigit() or int(b) <= 0 or int(b) % settings.page_size:
+                raise UsageError(f"--budgets: '{b}' is not a positive multiple of {settings.page_size}")
+            budget_list.append(int(b))
+        length_list = [parse_size(s) for s in lengths.split(",") if s.strip()]
+        all_cells = runner.cells(task_list, method_list, budget_list, length_list)
+        if out is not None:
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps({
+                "tasks": task_list, "methods": method_list, "budgets": budget_list,
+                "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
+                "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
+        done = runner.load_done(out)
+        loaded = load_model(model, settings, log=rep.info)
+        ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info)
+        rows = []
+        for i, cell in enumerate(all_cells):
+            if cell.key() in done:
+                rows.append(done[cell.key()])
+                continue
+            rep.info(f"[{i + 1}/{len(all_cells)}] {cell.task} {cell.method} budget {cell.budget or '-'} length {cell.length}")
+            result = ev.run(cell)
+            row = {"task": cell.task, "method": cell.method, "budget": cell.budget,
+                   "length": cell.length, **result}
+            runner.append(out, row)
+            rows.append(row)
+            rep.progress("cells", i + 1, len(all_cells))
+        rep.close()
+        if not quiet:
+            print_table(rows)
+        if as_json:
+            emit(json.dumps({"results": [
+                {k: r[k] for k in ("task", "method", "budget", "length", "n", "score") if k in r}
+                | ({"mean_kl": r["mean_kl"]} if "mean_kl" in r else {}) for r in rows]}))
+
+
+def print_table(rows: list[dict]) -> None:
+    full = {(r["task"], r["length"]): r["score"] for r in rows if r["method"] == "full"}
+    t = Table(title="icecache eval", box=None)
+    for c in ("task", "length", "method", "budget", "n", "score", "% of full", "mean KL"):
+        t.add_column(c)
+    for r in rows:
+        ref = full.get((r["task"], r["length"]))
+        pct = f"{100 * r['score'] / ref:.1f}" if ref else "-"
+        t.add_row(r["task"], str(r["length"]), r["method"], str(r["budget"] or "-"), str(r["n"]),
+                  f"{r['score']:.3f}", pct, f"{r['mean_kl']:.4f}" if "mean_kl" in r else "")
+    stderr.print(t)
