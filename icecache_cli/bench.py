@@ -125,13 +125,16 @@ def decode(
                 base = base or r
                 row["tpot_ratio_vs_" + base.method] = base.tpot_ms / r.tpot_ms
                 row["device_kv_share_of_" + base.method] = r.device_kv_bytes / max(1, base.device_kv_bytes)
+                row["sparse_layers_device_kv_share_of_" + base.method] = (
+                    r.device_kv_bytes_sparse_layers / max(1, base.device_kv_bytes_sparse_layers))
                 results.append(row)
                 if not quiet:
                     stderr.print(
                         f"{method:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
                         f"speed-up {base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
                         f"device KV {r.device_kv_bytes / 2**20:.1f} MiB "
-                        f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}), "
+                        f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}; layers "
+                        f">= {settings.dense_layers}: {100 * r.device_kv_bytes_sparse_layers / max(1, base.device_kv_bytes_sparse_layers):.2f}%), "
                         f"host KV {r.host_kv_bytes / 2**20:.1f} MiB"
                         + ("; per token: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.breakdown_ms.items())
                            if r.breakdown_ms else ""), markup=False)

@@ -30,6 +30,7 @@ class DecodeResult:
     tpot_p90_ms: float
     device_kv_bytes: int
     host_kv_bytes: int
+    device_kv_bytes_sparse_layers: int  # layers from dense_layers on (where ice is sparse)
     breakdown_ms: dict = field(default_factory=dict)
     pages_loaded_per_step: float = 0.0
 
@@ -46,13 +47,14 @@ def context_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
     return ids[:n]
 
 
-def kv_bytes(cache) -> tuple[int, int]:
-    """(device-resident KV bytes, host-store KV bytes) of a cache."""
+def kv_bytes(cache, dense_layers: int) -> tuple[int, int, int]:
+    """(device-resident KV bytes, host-store KV bytes, device bytes of layers >= dense_layers)."""
     if hasattr(cache, "device_kv_bytes"):
-        return cache.device_kv_bytes(), cache.host_kv_bytes()
-    total = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
-                if getattr(layer, "keys", None) is not None)
-    return total, 0
+        sparse = sum(layer.device_bytes() for layer in cache.ice_layers())
+        return cache.device_kv_bytes(), cache.host_kv_bytes(), sparse
+    per = [2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
+           if getattr(layer, "keys", None) is not None]
+    return sum(per), 0, sum(per[dense_layers:])
 
 
 def prefill(loaded, settings, ctx: int, on_progress=None):
@@ -112,7 +114,7 @@ def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 
                 stats0 = _stats(session.cache)
             if i >= warmup:
                 times.append(dt)
-    dev, host = kv_bytes(session.cache)
+    dev, host, sparse = kv_bytes(session.cache, settings.dense_layers)
     breakdown, loaded_pages = {}, 0.0
     s1 = _stats(session.cache)
     if s1 and stats0:
@@ -127,7 +129,8 @@ def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 
     return DecodeResult(
         method=method, ctx=len(ids), budget=settings.budget, prefill_s=prefill_s, tt2t_s=tt2t,
         tpot_ms=1000 * float(np.median(times)), tpot_p90_ms=1000 * float(np.percentile(times, 90)),
-        device_kv_bytes=dev, host_kv_bytes=host, breakdown_ms=breakdown,
+        device_kv_bytes=dev, host_kv_bytes=host, device_kv_bytes_sparse_layers=sparse,
+        breakdown_ms=breakdown,
         pages_loaded_per_step=loaded_pages)
 
 

@@ -1,0 +1,69 @@
+"""Evaluation pieces: passkey generation and scoring, fidelity, cells and resume."""
+
+from __future__ import annotations
+
+import json
+
+from icecache.evals import fidelity, passkey, runner
+
+from .conftest import run_cli
+
+
+def test_passkey_cases_deterministic_and_placed(loaded):
+    tok = loaded.tokenizer
+    a = passkey.cases(tok, 600, 3, seed=2)
+    b = passkey.cases(tok, 600, 3, seed=2)
+    assert [c.prompt for c in a] == [c.prompt for c in b]
+    assert [c.answer for c in a] != [c.answer for c in passkey.cases(tok, 600, 3, seed=3)]
+    for c in a:
+        assert c.prompt.count(c.answer) == 2 and c.prompt.endswith(passkey.QUESTION)
+        assert 450 <= c.tokens <= 650
+    # depth 0 puts the needle first, depth 1 last
+    first, last = a[0], a[-1]
+    assert first.prompt.index(first.answer) < len(first.prompt) * 0.2
+    assert last.prompt.index(last.answer) > len(last.prompt) * 0.8
+
+
+def test_passkey_score():
+    assert passkey.score(" 12345. Remember", "12345") == 1.0
+    assert passkey.score(" 1234", "12345") == 0.0
+    assert passkey.score(" the key is 99 and 12345", "12345") == 0.0  # the first number counts
+    assert passkey.score(" no number", "12345") == 0.0
+
+
+def test_fidelity_of_full_to_itself_and_of_a_tiny_budget(loaded, cpu_settings):
+    ids = runner.fidelity_prompts(loaded.tokenizer, 700, 1, seed=0)[0]
+    assert 500 <= len(ids) <= 700
+    ref = fidelity.reference(loaded, cpu_settings, ids, 24, force_past_end=True)
+    assert len(ref.tokens) == 24
+    same = fidelity.measure(loaded, cpu_settings, "full", ref)
+    assert same.agreement == 1.0 and abs(same.mean_kl) < 1e-4
+    tiny = cpu_settings.replace(budget=16, sink_pages=1, window_pages=1)
+    worse = fidelity.measure(loaded, tiny, "streaming", ref)
+    assert worse.total == 24 and worse.mean_kl > same.mean_kl
+
+
+def test_cells_and_resume(tmp_path):
+    cells = runner.cells(["passkey"], ["full", "ice", "streaming"], [64, 256], [1000])
+    assert [(c.method, c.budget) for c in cells] == [("full", 0), ("ice", 64), ("ice", 256), ("streaming", 0)]
+    runner.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000, "score": 1.0, "n": 1})
+    with open(tmp_path / "results.jsonl", "a") as f:
+        f.write('{"task": "passkey", "meth')  # a line cut by a kill
+    done = runner.load_done(tmp_path)
+    assert list(done) == [("passkey", "full", 0, 1000)]
+
+
+def test_eval_command_json_and_resume(tmp_path):
+    args = ["eval", "--tasks", "passkey", "--methods", "full,ice", "--budgets", "64", "--lengths", "400",
+            "--n", "2", "--out", str(tmp_path), "--json"]
+    r = run_cli(args)
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert {(x["method"], x["budget"]) for x in rows} == {("full", 0), ("ice", 64)}
+    assert all(x["n"] == 2 and 0 <= x["score"] <= 1 for x in rows)
+    assert json.loads((tmp_path / "config.json").read_text())["n"] == 2
+    again = run_cli(args)  # everything already there: nothing recomputed
+    assert again.returncode == 0 and "[1/2]" not in again.stderr.decode()
+    assert json.loads(again.stdout.decode().strip().splitlines()[-1])["results"] == rows
+    bad = run_cli(["eval", "--tasks", "ruler", "--n", "1"])
+    assert bad.returncode == 2 and "unknown task 'ruler'" in bad.stderr.decode()
