@@ -15,9 +15,11 @@ from typing import Any
 from .config import Settings
 from .errors import MethodUnavailable
 
-AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "streaming")
-PLANNED = ("snapkv", "quest")
-ICE_FAMILY = ("ice", "ice-reuse", "streaming")  # the paged cache (streaming: no selected pages)
+AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "streaming", "quest", "snapkv")
+PLANNED: tuple[str, ...] = ()
+# The paged cache: streaming selects no pages, quest selects token-order pages by key bounds.
+ICE_FAMILY = ("ice", "ice-reuse", "streaming", "quest", "snapkv")
+SELECTOR = {"quest": "quest", "snapkv": "snapkv"}
 
 
 def check_method(method: str) -> str:
@@ -27,13 +29,11 @@ def check_method(method: str) -> str:
         raise MethodUnavailable(
             f"method '{method}' is not available yet in this version; use one of {', '.join(AVAILABLE)}"
         )
-    raise MethodUnavailable(
-        f"unknown method '{method}' (available: {', '.join(AVAILABLE)}; "
-        f"planned: {', '.join(PLANNED)})"
-    )
+    planned = f"; planned: {', '.join(PLANNED)}" if PLANNED else ""
+    raise MethodUnavailable(f"unknown method '{method}' (available: {', '.join(AVAILABLE)}{planned})")
 
 
-def ice_spec(settings: Settings, pages: bool = True):
+def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
     from .cache import IceSpec
     from .index import IndexConfig
 
@@ -43,6 +43,7 @@ def ice_spec(settings: Settings, pages: bool = True):
         sink_tokens=settings.sink_pages * settings.page_size,
         window_tokens=settings.window_pages * settings.page_size,
         index=IndexConfig(page_size=settings.page_size, beam=settings.index_beam),
+        selector=selector,
     )
 
 
@@ -72,7 +73,8 @@ def make_cache(method: str, model: Any, settings: Settings) -> Any:
         from .cache import IceCache
 
         return IceCache(
-            model.config.num_hidden_layers, ice_spec(settings, pages=method != "streaming"),
+            model.config.num_hidden_layers,
+            ice_spec(settings, pages=method != "streaming", selector=SELECTOR.get(method, "dci")),
             dense_layers=settings.dense_layers,
             reuse_every=settings.reuse_every if method == "ice-reuse" else 1, device=model.device)
     from transformers import DynamicCache

@@ -69,7 +69,6 @@ def test_unreadable_file(files):
 
 
 def test_method_not_available_yet_and_unknown():
-    _check(run_cli(["summarize", str(EXAMPLE), "--method", "quest"]), 2, "method 'quest' is not available yet")
     _check(run_cli(["summarize", str(EXAMPLE), "--method", "magic"]), 2, "unknown method 'magic'")
 
 

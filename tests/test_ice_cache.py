@@ -31,9 +31,10 @@ def tiny_model(arch: str, kv_heads: int = 2):
     return model
 
 
-def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4) -> IceSpec:
+def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4, selector: str = "dci") -> IceSpec:
     return IceSpec(page_size=page, budget_pages=budget_pages, sink_tokens=sink,
-                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1))
+                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1),
+                   selector=selector)
 
 
 def run_steps(model, cache, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
@@ -79,6 +80,57 @@ def test_budget_covering_everything_equals_full(arch, kv_heads):
     assert layer.length == 190 and layer.sink_len + layer.mid + layer.win_fill == 190
     assert layer.mid > 150 - 8 - 8  # pages left the window for the host store and the index
     assert cache.stats.steps == 40 and cache.stats.pages_loaded > 0
+
+
+def test_quest_selector_with_full_budget_equals_full():
+    model = tiny_model("qwen2", 2)
+    rng = np.random.default_rng(6)
+    prompt, forced = rng.integers(0, 97, 130).tolist(), rng.integers(0, 97, 30).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    got = run_steps(model, ice_cache(model, spec(budget_pages=256, selector="quest")), prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_quest_index_matches_bound_reference():
+    from icecache.bench.index_bench import quest_pages
+    from icecache.cache.selectors import QuestIndex
+
+    rng = np.random.default_rng(8)
+    keys = rng.standard_normal((203, 8)).astype(np.float32)
+    idx = QuestIndex(8, 16, capacity=16)
+    idx.insert(keys[:100])
+    dirty = idx.insert(keys[100:])  # the partial page 6 is completed, pages 7..12 are new
+    assert dirty.tolist() == list(range(6, 13)) and idx.npages == 13 and idx.count[12] == 203 - 192
+    for p in range(idx.npages):
+        assert idx.members[p, : idx.count[p]].tolist() == list(range(16 * p, min(16 * p + 16, 203)))
+    qs = rng.standard_normal((3, 8)).astype(np.float32)
+    got = idx.select_group(qs[:1], 64, 5)
+    assert got.tolist() == quest_pages(keys, qs[0], 16, 5).tolist()
+
+
+def test_snapkv_selector_keeps_prompt_tokens_fixed():
+    """With a budget over the whole prompt SnapKV equals full until generated tokens age out of
+    the window (it never selects them); its selection never changes between steps."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(9)
+    prompt, forced = rng.integers(0, 97, 120).tolist(), rng.integers(0, 97, 4).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    cache = ice_cache(model, spec(budget_pages=64, selector="snapkv"))
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):  # 4 steps: nothing left the window yet
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    small = ice_cache(model, spec(budget_pages=3, selector="snapkv"))
+    run_steps(model, small, prompt, forced)
+    layer = small.ice_layers()[0]
+    before = [s.copy() for s in layer.selected]
+    run_steps_more = rng.integers(0, 97, 10).tolist()
+    with torch.inference_mode():
+        for t in run_steps_more:
+            model(input_ids=torch.tensor([[t]]), past_key_values=small, use_cache=True)
+    assert all((a == b).all() for a, b in zip(before, layer.selected, strict=True))
+    tree = layer.trees[0]
+    assert tree.npages == 3 and tree.count.sum() == 12  # 3 pages x 4 tokens chosen by the votes
 
 
 def test_reuse_variant_with_full_budget_equals_full():

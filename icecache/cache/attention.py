@@ -44,6 +44,8 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
 
     cache = current_cache()
     layer = cache.layers[module.layer_idx] if cache is not None else None
+    if isinstance(layer, IceLayer) and not layer.decoding and layer.spec.selector == "snapkv":
+        layer.obs_q = query[0, :, -layer.spec.observation :].detach()  # the prompt end votes
     if not isinstance(layer, IceLayer) or not layer.decoding or query.shape[2] != 1:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)

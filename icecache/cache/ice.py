@@ -63,6 +63,8 @@ class IceSpec:
     sink_tokens: int = 32
     window_tokens: int = 32
     index: IndexConfig = field(default_factory=IndexConfig)
+    selector: str = "dci"  # "dci" (IceCache), "quest" (token-order pages, min/max bounds), "snapkv"
+    observation: int = 32  # snapkv: prompt-end queries that vote
 
 
 @dataclass
@@ -193,16 +195,34 @@ class IceLayer(CacheLayerMixin):
         if self.indexed:
             t0 = time.perf_counter()
             keys_np = self.host_k[:, :mid].float().numpy()
+            if spec.selector == "snapkv":
+                from .selectors import snap_votes
+
+                obs = getattr(self, "obs_q", None)
+                self._votes = (snap_votes(obs, k, sink, mid, self.d ** -0.5) if obs is not None
+                               else np.zeros((H, mid)))
             self.trees = []
             self.page_version = []
             for h in range(H):
-                tree = DCITree(d, spec.index, capacity=max(16, mid + 4 * S))
+                tree = self._new_index(d, max(16, mid + 4 * S), h)
                 tree.insert(keys_np[h])
                 self.trees.append(tree)
                 self.page_version.append(np.zeros(max(64, tree.npages * 2), np.int64))
             self.stats.index_build_s += time.perf_counter() - t0
         self.keys = self.values = None  # the dense prefill copy is gone
         self.decoding = True
+
+    def _new_index(self, d: int, capacity: int, head: int):
+        if self.spec.selector == "snapkv":
+            from .selectors import SnapIndex
+
+            return SnapIndex(self.spec.page_size, self.spec.budget_pages * self.spec.page_size,
+                             self._votes[head])
+        if self.spec.selector == "quest":
+            from .selectors import QuestIndex
+
+            return QuestIndex(d, self.spec.page_size, capacity)
+        return DCITree(d, self.spec.index, capacity=capacity)
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token (H, d) into the window; a full window sends its oldest page away."""
