@@ -17,7 +17,7 @@ from .output import Reporter, emit, stderr, user_errors
 
 
 def evaluate(
-    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, fidelity.")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, vt, fwe, fidelity.")] = "passkey",
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference).")] = "full,ice",
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",

@@ -67,3 +67,24 @@ def test_eval_command_json_and_resume(tmp_path):
     assert json.loads(again.stdout.decode().strip().splitlines()[-1])["results"] == rows
     bad = run_cli(["eval", "--tasks", "ruler", "--n", "1"])
     assert bad.returncode == 2 and "unknown task 'ruler'" in bad.stderr.decode()
+
+
+def test_ruler_tasks_deterministic_and_answerable(loaded):
+    from icecache.evals import ruler
+
+    tok = loaded.tokenizer
+    for task in ruler.TASKS:
+        a = ruler.cases(task, tok, 500, 2, seed=1)
+        assert [c.prompt for c in a] == [c.prompt for c in ruler.cases(task, tok, 500, 2, seed=1)]
+        assert [c.prompt for c in a] != [c.prompt for c in ruler.cases(task, tok, 500, 2, seed=2)]
+        for c in a:
+            assert 350 <= c.tokens <= 650, (task, c.tokens)
+            body = c.prompt.rsplit("\n", 1)[0]  # the answer is in the text, not in the question
+            assert all(e in body for e in c.expected)
+            assert ruler.score(" " + ", ".join(c.expected), c.expected) == 1.0
+            assert ruler.score(" nothing here", c.expected) == 0.0
+    case = ruler.cases("fwe", tok, 500, 1, seed=0)[0]
+    words = case.prompt.split("\n")[0].split()
+    counts = sorted(((words.count(w), w) for w in set(words) if w.islower() and w.isalpha()), reverse=True)
+    assert {w for _, w in counts[:3]} == set(case.expected)
+    assert ruler.score(f" {case.expected[0]} and more", case.expected) == 1 / 3

@@ -14,9 +14,10 @@ from pathlib import Path
 from ..generation import Session
 from ..index.capture import generated_text
 from ..prompts import render, summarize_messages
-from . import fidelity, passkey
+from . import fidelity, passkey, ruler
 
-TASKS = ("passkey", "fidelity")
+TASKS = ("passkey", *ruler.TASKS, "fidelity")
+NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
 BUDGETLESS = ("full", "streaming")  # streaming keeps sink + window only
 
 
@@ -73,7 +74,19 @@ class Evaluator:
             return self._passkey(cell)
         if cell.task == "fidelity":
             return self._fidelity(cell)
+        if cell.task in ruler.TASKS:
+            return self._ruler(cell)
         raise ValueError(cell.task)
+
+    def _ruler(self, cell: Cell) -> dict:
+        tok = self.loaded.tokenizer
+        settings = _settings(self.settings, cell)
+        scores = []
+        for case in ruler.cases(cell.task, tok, cell.length, self.n, self.seed):
+            session = Session(self.loaded, settings, cell.method)
+            out, _ = session.generate(tok(case.prompt)["input_ids"], NEW_TOKENS[cell.task])
+            scores.append(ruler.score(tok.decode(out), case.expected))
+        return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
 
     def _passkey(self, cell: Cell) -> dict:
         tok = self.loaded.tokenizer
