@@ -17,13 +17,14 @@ from .output import Reporter, emit, stderr, user_errors
 
 
 def evaluate(
-    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, vt, fwe, fidelity.")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, vt, fwe, gsm8k, longbench, fidelity.")] = "passkey",
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference).")] = "full,ice",
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
     n: Annotated[int, typer.Option("--n", min=1, help="Cases (passkey: depths; fidelity: documents) per cell.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the generated cases.")] = 0,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="fidelity: tokens full generates per document.")] = 160,
+    data: Annotated[str | None, typer.Option("--data", help="gsm8k: JSONL of GSM8K problems (question, answer with '#### N'); longbench: JSONL of context, question, answers.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for results.jsonl and config.json; a rerun resumes.", show_default=False)] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
@@ -50,16 +51,27 @@ def evaluate(
                 raise UsageError(f"--budgets: '{b}' is not a positive multiple of {settings.page_size}")
             budget_list.append(int(b))
         length_list = [parse_size(s) for s in lengths.split(",") if s.strip()]
+        needs_data = [t for t in task_list if t in runner.DATA_TASKS]
+        if len(needs_data) > 1:
+            raise UsageError(f"--tasks: {' and '.join(needs_data)} each read --data; run them separately")
+        if needs_data:
+            from icecache.evals import gsm8k, longbench
+
+            if data is None:
+                raise UsageError(f"--tasks {needs_data[0]} needs --data PATH (a JSONL file)")
+            (gsm8k if needs_data[0] == "gsm8k" else longbench).load(data)  # fail now, not after hours
+        if out is not None and out.exists() and not out.is_dir():
+            raise UsageError(f"--out: {out} exists and is not a folder")
         all_cells = runner.cells(task_list, method_list, budget_list, length_list)
         if out is not None:
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps({
                 "tasks": task_list, "methods": method_list, "budgets": budget_list,
-                "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
+                "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens, "data": data,
                 "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
-        ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info)
+        ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data)
         rows = []
         for i, cell in enumerate(all_cells):
             if cell.key() in done:

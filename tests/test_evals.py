@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
+
+import pytest
 
 from icecache.evals import fidelity, passkey, runner
 
@@ -88,3 +91,60 @@ def test_ruler_tasks_deterministic_and_answerable(loaded):
     counts = sorted(((words.count(w), w) for w in set(words) if w.islower() and w.isalpha()), reverse=True)
     assert {w for _, w in counts[:3]} == set(case.expected)
     assert ruler.score(f" {case.expected[0]} and more", case.expected) == 1 / 3
+
+
+GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"
+
+
+def test_gsm8k_answers_and_prediction():
+    from icecache.evals import gsm8k
+
+    assert gsm8k.gold("She makes 9 * 2 = $<<9*2=18>>18 every day.\n#### 18") == "18"
+    assert gsm8k.gold("so\n#### 1,250") == "1250"
+    assert gsm8k.predict(" 3 + 4 = 7 apples.\n#### 7\n\nQuestion: next one 99") == "7"
+    assert gsm8k.predict(" She pays 12.50 dollars, then 30.") == "30"
+    assert gsm8k.predict(" no idea") == ""
+    assert gsm8k.score(" so #### 42", "42") == 1.0 and gsm8k.score(" #### 41", "42") == 0.0
+
+
+def test_gsm8k_load_errors(tmp_path):
+    from icecache.errors import InputError
+    from icecache.evals import gsm8k
+
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "q"}\n')
+    with pytest.raises(InputError, match="line 1"):
+        gsm8k.load(bad)
+    with pytest.raises(InputError, match="no such file"):
+        gsm8k.load(tmp_path / "missing.jsonl")
+
+
+@pytest.mark.skipif(not GSM8K.exists(), reason="the shared GSM8K file is not on this machine")
+def test_gsm8k_cases_from_the_shared_file(loaded):
+    from icecache.evals import gsm8k
+
+    rows = gsm8k.load(GSM8K)
+    cs = gsm8k.cases(rows, loaded.tokenizer, 1500, 3, seed=0)
+    assert [c.prompt for c in cs] == [c.prompt for c in gsm8k.cases(rows, loaded.tokenizer, 1500, 3, seed=0)]
+    for c in cs:
+        assert 1200 <= c.tokens <= 1500 and c.prompt.endswith("\nAnswer:") and c.answer
+        assert c.prompt.count("Question:") >= 3 and "<<" not in c.prompt
+
+
+def test_longbench_scorers_and_loading(tmp_path):
+    from icecache.errors import InputError
+    from icecache.evals import longbench
+
+    assert longbench.normalize("The  Cat, sat!") == "cat sat"
+    assert longbench.qa_f1("The cat sat.", ["cat sat"]) == 1.0
+    assert longbench.qa_f1("a dog", ["cat sat"]) == 0.0
+    assert abs(longbench.qa_f1("cat on mat", ["cat sat on the mat"]) - 2 * (1.0 * 0.75) / 1.75) < 1e-9
+    assert longbench.qa_f1("x", ["cat", "x"]) == 1.0  # best over answers
+    assert longbench.rouge_l("the cat sat on the mat", ["the cat sat on the mat"]) == 1.0
+    assert 0 < longbench.rouge_l("the cat is on the mat", ["the cat sat on the mat"]) < 1
+    f = tmp_path / "lb.jsonl"
+    f.write_text('{"context": "c", "question": "q", "answers": "a"}\n\n')
+    assert longbench.load(f) == [{"context": "c", "question": "q", "answers": ["a"]}]
+    f.write_text('{"context": "c"}\n')
+    with pytest.raises(InputError, match="line 1"):
+        longbench.load(f)

@@ -11,12 +11,14 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from ..errors import UsageError
 from ..generation import Session
 from ..index.capture import generated_text
-from ..prompts import render, summarize_messages
+from ..prompts import qa_messages, render, summarize_messages
 from . import fidelity, passkey, ruler
 
-TASKS = ("passkey", *ruler.TASKS, "fidelity")
+TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
+DATA_TASKS = ("gsm8k", "longbench")  # these read --data
 NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
 BUDGETLESS = ("full", "streaming")  # streaming keeps sink + window only
 
@@ -63,8 +65,9 @@ def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int
 
 class Evaluator:
     def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
-                 log: Callable[[str], None] = lambda _m: None):
+                 log: Callable[[str], None] = lambda _m: None, data: str | None = None):
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        self.data = data
         self.new_tokens = new_tokens
         self.log = log
         self._refs: dict[int, list] = {}
@@ -76,7 +79,42 @@ class Evaluator:
             return self._fidelity(cell)
         if cell.task in ruler.TASKS:
             return self._ruler(cell)
+        if cell.task == "gsm8k":
+            return self._gsm8k(cell)
+        if cell.task == "longbench":
+            return self._longbench(cell)
         raise ValueError(cell.task)
+
+    def _gsm8k(self, cell: Cell) -> dict:
+        from . import gsm8k
+
+        if self.data is None:
+            raise UsageError("the gsm8k task needs --data PATH (a JSONL file of GSM8K problems)")
+        tok = self.loaded.tokenizer
+        settings = _settings(self.settings, cell)
+        scores = []
+        for case in gsm8k.cases(gsm8k.load(self.data), tok, cell.length, self.n, self.seed):
+            session = Session(self.loaded, settings, cell.method)
+            out, _ = session.generate(tok(case.prompt)["input_ids"], self.new_tokens)
+            scores.append(gsm8k.score(tok.decode(out), case.answer))
+        return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
+
+    def _longbench(self, cell: Cell) -> dict:
+        """The first ``n`` rows of the file (``length`` only names the cell: rows keep theirs)."""
+        from . import longbench
+
+        if self.data is None:
+            raise UsageError("the longbench task needs --data PATH (JSONL of context, question, answers)")
+        tok = self.loaded.tokenizer
+        settings = _settings(self.settings, cell)
+        f1s, rouges = [], []
+        for row in longbench.load(self.data)[: self.n]:
+            ids = render(tok, qa_messages(row["context"], row["question"]))
+            out, _ = Session(self.loaded, settings, cell.method).generate(ids, 64)
+            text = tok.decode(out)
+            f1s.append(longbench.qa_f1(text, row["answers"]))
+            rouges.append(longbench.rouge_l(text, row["answers"]))
+        return {"score": sum(f1s) / len(f1s), "n": len(f1s), "rouge_l": sum(rouges) / len(rouges)}
 
     def _ruler(self, cell: Cell) -> dict:
         tok = self.loaded.tokenizer
