@@ -13,7 +13,7 @@ import typer
 
 from icecache import __version__
 
-from . import bench, evaluate, profiles, tasks
+from . import batch, bench, evaluate, profiles, tasks
 from .output import error, silence_stdout
 
 app = typer.Typer(
@@ -29,6 +29,7 @@ app.command()(tasks.qa)
 app.command()(tasks.cot)
 app.command()(profiles.profiles)
 app.command("eval")(evaluate.evaluate)
+app.command()(batch.batch)
 app.add_typer(bench.bench_app, name="bench")
 
 
