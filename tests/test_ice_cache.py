@@ -269,3 +269,22 @@ def test_plan_head_matches_reference():
         # every wanted page is resident afterwards, at its current version
         for p in want:
             assert any(a[0][s] == p and a[1][s] == version[p] for s in range(P))
+
+
+@pytest.mark.parametrize("method", ["oracle", "oracle-qhead"])
+def test_oracle_equals_full_with_room_and_differs_without(method):
+    from icecache.config import Settings
+
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(10)
+    prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 5).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    roomy = Settings(budget=256, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
+    got = run_steps(model, make_cache(method, model, roomy), prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    tight = Settings(budget=16, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
+    got = run_steps(model, make_cache(method, model, tight), prompt, forced)
+    torch.testing.assert_close(got[0], ref[0])  # the prefill is full attention
+    assert max(float((a - b).abs().max()) for a, b in zip(ref[1:], got[1:], strict=True)) > 1e-3
+    prepare_model("full", model)

@@ -1,9 +1,13 @@
-"""The oracle baseline: exact per-query-head top-k tokens by attention score (the paper's TOP-k).
+"""The oracle baseline: exact top-k tokens by attention (the paper's TOP-k), dense cache.
 
-The cache stays dense (transformers' ``DynamicCache``); at a decode step each query head attends
-to the sink tokens, the window tokens and the ``budget`` middle tokens of largest score, chosen
-exactly from all of them. No real system can afford this selection; it bounds what any page
-selector (the index included) can reach at the same budget.
+At a decode step every query head attends to the sink tokens, the window tokens and ``budget``
+middle tokens chosen exactly from all of them. ``per`` says whose budget it is:
+
+- ``kv`` (default): one set per KV head, the tokens with the largest attention probability for
+  any query head of the group: the same resident memory as the paged methods' budget;
+- ``query``: one set per query head (its own top tokens), i.e. G times the memory under GQA.
+
+No real system can afford this selection; it bounds what a page selector can reach.
 """
 
 from __future__ import annotations
@@ -12,11 +16,7 @@ import torch
 
 NAME = "icecache_oracle"
 _registered = False
-_spec = {"budget": 256, "sink": 32, "window": 32}
-
-
-def configure(budget: int, sink: int, window: int) -> None:
-    _spec.update(budget=budget, sink=sink, window=window)
+_spec = {"budget": 256, "sink": 32, "window": 32, "per": "kv"}
 
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -38,9 +38,13 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     keep[..., : min(sink, T)] = True
     keep[..., max(0, T - window) :] = True
     lo, hi = min(sink, T), max(min(sink, T), T - window)
-    if hi - lo > budget:
+    if hi - lo > budget and _spec["per"] == "query":
         top = scores[..., lo:hi].topk(budget, dim=-1).indices + lo
         keep.scatter_(-1, top, True)
+    elif hi - lo > budget:  # one set per KV head: the group's largest probabilities
+        probs = torch.softmax(scores, dim=-1)[..., lo:hi].amax(dim=1)  # (H, mid)
+        top = probs.topk(budget, dim=-1).indices + lo
+        keep.scatter_(-1, top[:, None, :].expand(H, G, budget), True)
     else:
         keep[..., lo:hi] = True
     probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
@@ -48,9 +52,9 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     return out.reshape(1, 1, Hq, d), None
 
 
-def register(budget: int, sink: int, window: int, dense_layers: int) -> str:
+def register(budget: int, sink: int, window: int, dense_layers: int, per: str = "kv") -> str:
     global _registered
-    _spec.update(budget=budget, sink=sink, window=window, dense_layers=dense_layers)
+    _spec.update(budget=budget, sink=sink, window=window, dense_layers=dense_layers, per=per)
     if not _registered:
         from transformers import AttentionInterface, AttentionMaskInterface
         from transformers.masking_utils import sdpa_mask
