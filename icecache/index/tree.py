@@ -84,11 +84,15 @@ class DCITree:
         u[-1] = 0.0
         self.u = (u / np.linalg.norm(u)).astype(np.float32)
         self._alloc(max(16, capacity))
+        self._alloc_pages(max(16, capacity // 8))
 
     # -- storage ----------------------------------------------------------------------------
+    POINT_ARRAYS = ("X", "sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
+                    "first_page", "node_size")
+    PAGE_ARRAYS = ("members", "PX", "count", "next_page", "owner", "lo", "hi", "dirty")
+
     def _alloc(self, cap: int) -> None:
-        S = self.cfg.page_size
-        pcap = cap + 8  # every page holds >= 1 point: at most n pages
+        """Point arrays for ``cap`` points; page arrays start small and grow with the pages."""
         self.X = np.zeros((cap, self.D), np.float32)
         self.sqnorm = np.zeros(cap, np.float32)
         self.proj = np.zeros(cap, np.float32)
@@ -99,6 +103,12 @@ class DCITree:
         self.tok_slot = np.full(cap, -1, np.int32)
         self.first_page = np.full(cap + 1, -1, np.int32)
         self.node_size = np.zeros(cap + 1, np.int32)
+        self._sid = np.empty(cap, np.int32)  # query scratch, reused
+        self._ssc = np.empty(cap, np.float32)
+        self.cap = cap
+
+    def _alloc_pages(self, pcap: int) -> None:
+        S = self.cfg.page_size
         self.members = np.full((pcap, S), -1, np.int32)
         # Page-major copy of the transformed keys: a node's children are scored from contiguous
         # memory (random rows of X would make a query memory-latency bound at large n).
@@ -109,9 +119,7 @@ class DCITree:
         self.lo = np.zeros(pcap, np.float32)
         self.hi = np.zeros(pcap, np.float32)
         self.dirty = np.zeros(pcap, np.bool_)
-        self._sid = np.empty(cap, np.int32)  # query scratch, reused
-        self._ssc = np.empty(cap, np.float32)
-        self.cap = cap
+        self.pcap = pcap
 
     def _grow(self, need: int) -> None:
         if need <= self.cap:
@@ -119,30 +127,21 @@ class DCITree:
         cap = self.cap
         while cap < need:
             cap *= 2
-        old = {
-            name: getattr(self, name)
-            for name in (
-                "X",
-                "sqnorm",
-                "proj",
-                "level",
-                "parent",
-                "pos",
-                "tok_page",
-                "tok_slot",
-                "first_page",
-                "node_size",
-                "members",
-                "PX",
-                "count",
-                "next_page",
-                "owner",
-                "lo",
-                "hi",
-                "dirty",
-            )
-        }
+        old = {name: getattr(self, name) for name in self.POINT_ARRAYS}
         self._alloc(cap)
+        for name, arr in old.items():
+            getattr(self, name)[: arr.shape[0]] = arr
+
+    def _ensure_pages(self, extra: int) -> None:
+        """Room for ``extra`` more pages (page arrays grow by doubling, not with the points)."""
+        need = self.npages + extra
+        if need <= self.pcap:
+            return
+        pcap = max(self.pcap, 16)
+        while pcap < need:
+            pcap *= 2
+        old = {name: getattr(self, name) for name in self.PAGE_ARRAYS}
+        self._alloc_pages(pcap)
         for name, arr in old.items():
             getattr(self, name)[: arr.shape[0]] = arr
 
@@ -307,6 +306,12 @@ class DCITree:
 
     def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
         self.parent[ids] = parents
+        # Pages this can create: a node without children gets ceil(c / S); any other at most
+        # one per point (a split or a first page).
+        nodes, counts = np.unique(parents, return_counts=True)
+        fresh = self.first_page[nodes] < 0
+        S = self.cfg.page_size
+        self._ensure_pages(int((-(-counts[fresh] // S)).sum() + counts[~fresh].sum()) + 1)
         if len(ids) > 64:
             # Bulk: children of one node in projection order; a node without children gets them
             # as full pages (point-by-point insertion in sorted order would leave pages half full).
