@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from icecache.generation import Session
@@ -93,6 +94,7 @@ def test_summarize_with_ice_method_and_json_stats():
     assert len(obj["output"].split()) >= 5
 
 
+@pytest.mark.slow
 def test_qa_with_ice_several_questions(loaded, cpu_settings):
     """The ice cache cannot be cut back to a prefix: each question gets a fresh prefill. A short
     document fits in the budget, so the answers are exactly those of the full cache."""
