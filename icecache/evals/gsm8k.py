@@ -9,7 +9,6 @@ cut at the next ``Question:``; the prediction is the number after ``####``, else
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -17,6 +16,7 @@ from pathlib import Path
 import numpy as np
 
 from ..errors import InputError
+from . import read_jsonl
 
 
 @dataclass(frozen=True)
@@ -27,20 +27,10 @@ class Case:
 
 
 def load(path: str | Path) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"--data: no such file: {p}")
-    rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            rows.append({"question": r["question"], "answer": r["answer"]})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(f"--data: {p}: line {i} is not a JSON object with question and answer") from None
+    rows = read_jsonl(path, lambda r: {"question": r["question"], "answer": r["answer"]},
+                      "question and answer")
     if len(rows) < 2:
-        raise InputError(f"--data: {p}: needs at least 2 problems")
+        raise InputError(f"--data: {path}: needs at least 2 problems")
     return rows
 
 

@@ -8,13 +8,13 @@ chat template, as ``icecache qa`` would ask.
 
 from __future__ import annotations
 
-import json
 import re
 import string
 from collections import Counter
 from pathlib import Path
 
 from ..errors import InputError
+from . import read_jsonl
 
 
 def normalize(text: str) -> str:
@@ -44,24 +44,16 @@ def rouge_l(prediction: str, answers) -> float:
     return max((scorer.score(a, prediction)["rougeL"].fmeasure for a in answers), default=0.0)
 
 
+def _row(r: dict) -> dict:
+    answers = r["answers"]
+    if isinstance(answers, str):
+        answers = [answers]
+    return {"context": str(r["context"]), "question": str(r["question"]),
+            "answers": [str(a) for a in answers]}
+
+
 def load(path: str | Path) -> list[dict]:
-    p = Path(path)
-    if not p.is_file():
-        raise InputError(f"--data: no such file: {p}")
-    rows = []
-    for i, line in enumerate(p.read_text(encoding="utf-8").splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            r = json.loads(line)
-            answers = r["answers"]
-            if isinstance(answers, str):
-                answers = [answers]
-            rows.append({"context": str(r["context"]), "question": str(r["question"]),
-                         "answers": [str(a) for a in answers]})
-        except (json.JSONDecodeError, KeyError, TypeError):
-            raise InputError(
-                f"--data: {p}: line {i} is not a JSON object with context, question and answers") from None
+    rows = read_jsonl(path, _row, "context, question and answers")
     if not rows:
-        raise InputError(f"--data: {p}: no rows")
+        raise InputError(f"--data: {path}: no rows")
     return rows

@@ -90,14 +90,8 @@ class Evaluator:
 
         if self.data is None:
             raise UsageError("the gsm8k task needs --data PATH (a JSONL file of GSM8K problems)")
-        tok = self.loaded.tokenizer
-        settings = _settings(self.settings, cell)
-        scores = []
-        for case in gsm8k.cases(gsm8k.load(self.data), tok, cell.length, self.n, self.seed):
-            session = Session(self.loaded, settings, cell.method)
-            out, _ = session.generate(tok(case.prompt)["input_ids"], self.new_tokens)
-            scores.append(gsm8k.score(tok.decode(out), case.answer))
-        return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
+        cases = gsm8k.cases(gsm8k.load(self.data), self.loaded.tokenizer, cell.length, self.n, self.seed)
+        return self._generated(cell, cases, self.new_tokens, lambda out, c: gsm8k.score(out, c.answer))
 
     def _longbench(self, cell: Cell) -> dict:
         """The first ``n`` rows of the file (``length`` only names the cell: rows keep theirs)."""
@@ -117,24 +111,23 @@ class Evaluator:
         return {"score": sum(f1s) / len(f1s), "n": len(f1s), "rouge_l": sum(rouges) / len(rouges)}
 
     def _ruler(self, cell: Cell) -> dict:
+        cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed)
+        return self._generated(cell, cases, NEW_TOKENS[cell.task], lambda out, c: ruler.score(out, c.expected))
+
+    def _generated(self, cell: Cell, cases, new_tokens: int, score) -> dict:
+        """Each case's prompt through a fresh session of the cell's method, scored."""
         tok = self.loaded.tokenizer
         settings = _settings(self.settings, cell)
         scores = []
-        for case in ruler.cases(cell.task, tok, cell.length, self.n, self.seed):
-            session = Session(self.loaded, settings, cell.method)
-            out, _ = session.generate(tok(case.prompt)["input_ids"], NEW_TOKENS[cell.task])
-            scores.append(ruler.score(tok.decode(out), case.expected))
+        for case in cases:
+            out, _ = Session(self.loaded, settings, cell.method).generate(
+                tok(case.prompt)["input_ids"], new_tokens)
+            scores.append(score(tok.decode(out), case))
         return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
 
     def _passkey(self, cell: Cell) -> dict:
-        tok = self.loaded.tokenizer
-        settings = _settings(self.settings, cell)
-        hits = []
-        for case in passkey.cases(tok, cell.length, self.n, self.seed):
-            session = Session(self.loaded, settings, cell.method)
-            out, _ = session.generate(tok(case.prompt)["input_ids"], 8)
-            hits.append(passkey.score(tok.decode(out), case.answer))
-        return {"score": sum(hits) / len(hits), "n": len(hits), "detail": hits}
+        cases = passkey.cases(self.loaded.tokenizer, cell.length, self.n, self.seed)
+        return self._generated(cell, cases, 8, lambda out, c: passkey.score(out, c.answer))
 
     def _fidelity(self, cell: Cell) -> dict:
         if cell.length not in self._refs:

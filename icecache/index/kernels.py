@@ -368,15 +368,9 @@ def merge_ranked(lists, lens, max_pages):
 
 
 @njit(nogil=True, cache=True)
-def select_group(queries, k, max_pages, u, top_level, beam, visit_frac, PX, level, first_page,
-                 next_page, members, count, lo, hi, node_size, tok_page, scratch_ids,
-                 scratch_scores):
-    """One KV head's page list for its group of query heads (g, d): search each, rank pages, merge."""
-    g = queries.shape[0]
-    ids = np.empty((g, k), np.int32)
-    scores = np.empty((g, k), np.float32)
-    search_many(queries, u, top_level, k, beam, visit_frac, PX, level, first_page, next_page,
-                members, count, lo, hi, node_size, scratch_ids, scratch_scores, ids, scores)
+def group_pages(ids, tok_page, max_pages):
+    """Each query's ranked distinct pages of its top ids (rows padded with -1), GQA-merged."""
+    g, k = ids.shape
     lists = np.empty((g, max_pages), np.int32)
     lens = np.zeros(g, np.int64)
     for r in range(g):
@@ -387,6 +381,19 @@ def select_group(queries, k, max_pages, u, top_level, beam, visit_frac, PX, leve
         lists[r, : pages.shape[0]] = pages
         lens[r] = pages.shape[0]
     return merge_ranked(lists, lens, max_pages)
+
+
+@njit(nogil=True, cache=True)
+def select_group(queries, k, max_pages, u, top_level, beam, visit_frac, PX, level, first_page,
+                 next_page, members, count, lo, hi, node_size, tok_page, scratch_ids,
+                 scratch_scores):
+    """One KV head's page list for its group of query heads (g, d): search each, rank pages, merge."""
+    g = queries.shape[0]
+    ids = np.empty((g, k), np.int32)
+    scores = np.empty((g, k), np.float32)
+    search_many(queries, u, top_level, k, beam, visit_frac, PX, level, first_page, next_page,
+                members, count, lo, hi, node_size, scratch_ids, scratch_scores, ids, scores)
+    return group_pages(ids, tok_page, max_pages)
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -475,13 +482,4 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
     scores = np.empty((g, k), np.float32)
     search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
                         mark, scratch_ids, scratch_scores, ids, scores)
-    lists = np.empty((g, max_pages), np.int32)
-    lens = np.zeros(g, np.int64)
-    for r in range(g):
-        n = 0
-        while n < k and ids[r, n] >= 0:
-            n += 1
-        pages = ranked_pages(ids[r, :n], tok_page, max_pages)
-        lists[r, : pages.shape[0]] = pages
-        lens[r] = pages.shape[0]
-    return merge_ranked(lists, lens, max_pages)
+    return group_pages(ids, tok_page, max_pages)

@@ -317,47 +317,19 @@ class DCITree:
             # as full pages (point-by-point insertion in sorted order would leave pages half full).
             order = np.lexsort((self.proj[ids], parents))
             self.npages = kernels.attach_sorted(
-                ids[order].astype(np.int32),
-                parents[order].astype(np.int32),
-                self.proj,
-                self.X,
-                self.PX,
-                self.members,
-                self.count,
-                self.next_page,
-                self.owner,
-                self.lo,
-                self.hi,
-                self.dirty,
-                self.first_page,
-                self.node_size,
-                self.tok_page,
-                self.tok_slot,
-                self.npages,
-            )
+                ids[order].astype(np.int32), parents[order].astype(np.int32), *self._page_state(),
+                self.npages)
             return
-        npages = self.npages
+        npages, state = self.npages, self._page_state()
         for i, p in zip(ids.tolist(), parents.tolist(), strict=True):
-            npages = kernels.insert_child(
-                i,
-                p,
-                self.proj,
-                self.X,
-                self.PX,
-                self.members,
-                self.count,
-                self.next_page,
-                self.owner,
-                self.lo,
-                self.hi,
-                self.dirty,
-                self.first_page,
-                self.node_size,
-                self.tok_page,
-                self.tok_slot,
-                npages,
-            )
+            npages = kernels.insert_child(i, p, *state, npages)
         self.npages = npages
+
+    def _page_state(self) -> tuple:
+        """The arrays the page kernels (``insert_child``, ``attach_sorted``) update, in order."""
+        return (self.proj, self.X, self.PX, self.members, self.count, self.next_page, self.owner,
+                self.lo, self.hi, self.dirty, self.first_page, self.node_size, self.tok_page,
+                self.tok_slot)
 
     def _scratch(self):
         return self._sid, self._ssc
@@ -454,24 +426,5 @@ class DCITree:
         return self.members[page, : self.count[page]].copy()
 
     def nbytes(self) -> int:
-        arrays = (
-            self.X,
-            self.PX,
-            self.sqnorm,
-            self.proj,
-            self.level,
-            self.parent,
-            self.pos,
-            self.tok_page,
-            self.tok_slot,
-            self.first_page,
-            self.node_size,
-            self.members,
-            self.count,
-            self.next_page,
-            self.owner,
-            self.lo,
-            self.hi,
-            self.dirty,
-        )
-        return int(sum(a.nbytes for a in arrays))
+        names = self.POINT_ARRAYS + self.PAGE_ARRAYS
+        return int(sum(getattr(self, name).nbytes for name in names))
