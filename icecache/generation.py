@@ -63,6 +63,48 @@ def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) 
     return logits
 
 
+@dataclass
+class Prefilled:
+    """A prompt's dense prefill, to seed sessions of any method (:meth:`Session.adopt`)."""
+
+    ids: list[int]
+    kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, H, T, d)
+    logits: torch.Tensor  # at the last prompt position
+    seconds: float
+    obs_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # SnapKV's votes
+
+
+@torch.inference_mode()
+def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observation: int = 32,
+                 on_progress: Progress | None = None) -> Prefilled:
+    """The chunked full-attention prefill of ``ids`` that every method's own prefill computes.
+
+    Every method prefills with full attention (the sparse ones change decoding only), so one
+    prefill serves them all: each then starts from a copy of these keys and values. The last
+    ``observation`` queries of each layer are kept for SnapKV.
+    """
+    from .cache import DenseCache, record
+
+    model = loaded.model
+    name = record.register()
+    if model.config._attn_implementation != name:
+        model.set_attn_implementation(name)
+    record.start(observation)
+    cache = DenseCache(model.config.num_hidden_layers)
+    t0 = time.perf_counter()
+    chunk = settings.chunk_size
+    for lo in range(0, len(ids), chunk):
+        x = torch.tensor([ids[lo : lo + chunk]], dtype=torch.long, device=model.device)
+        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        if on_progress:
+            on_progress("prefill", min(lo + chunk, len(ids)), len(ids))
+    seconds = time.perf_counter() - t0
+    queries = record.recorded()
+    record.start(0)
+    return Prefilled(list(ids), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
+                     out.logits[0, -1], seconds, dict(queries))
+
+
 class Session:
     def __init__(self, loaded: LoadedModel, settings: Settings, method: str = "full"):
         self.loaded = loaded
@@ -93,6 +135,30 @@ class Session:
         return 0
 
     @torch.inference_mode()
+    def adopt(self, pre: Prefilled) -> None:
+        """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
+        from .cache import IceLayer
+
+        self.cache = make_cache(self.method, self.loaded.model, self.settings)
+        for i, (k, v) in enumerate(pre.kv):
+            layer = self.cache.layers[i]
+            if isinstance(layer, IceLayer) and layer.spec.selector == "snapkv":
+                q = pre.obs_queries.get(i)
+                if q is not None:
+                    layer.obs_q = q[:, -layer.spec.observation :]
+            self.cache.update(k.clone(), v.clone(), i)
+        self.cached_ids = list(pre.ids)
+
+    @torch.inference_mode()
+    def generate_from(self, pre: Prefilled, max_new_tokens: int, on_progress: Progress | None = None,
+                      repetition_penalty: float = 1.0) -> tuple[list[int], GenerationStats]:
+        """:meth:`generate` for ``pre.ids``, starting from the shared prefill ``pre``."""
+        self.adopt(pre)
+        stats = GenerationStats(tokens_in=len(pre.ids), tokens_prefilled=len(pre.ids),
+                                prefill_seconds=pre.seconds)
+        return self._decode(pre.logits, max_new_tokens, stats, on_progress, repetition_penalty)
+
+    @torch.inference_mode()
     def generate(
         self,
         ids: list[int],
@@ -119,7 +185,11 @@ class Session:
             logits = self._forward(ids[lo : lo + chunk])
             report("prefill", min(lo + chunk, len(ids)) - start, len(ids) - start)
         stats.prefill_seconds = time.perf_counter() - t0
+        return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
 
+    def _decode(self, logits, max_new_tokens: int, stats: GenerationStats,
+                on_progress: Progress | None, repetition_penalty: float):
+        report = on_progress or (lambda *_: None)
         out: list[int] = []
         t_dec = time.perf_counter()
         while True:

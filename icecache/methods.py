@@ -1,6 +1,8 @@
 """The KV-cache methods a run can use, and the cache object each one puts into the model.
 
-``full`` keeps every key and value (transformers' dense cache and SDPA attention). ``ice`` is the
+``full`` keeps every key and value (transformers' dense cache and SDPA attention: what a
+transformers user gets); ``dense`` is the same attention over the project's in-place growing
+dense cache (no per-step copy of the whole cache). ``ice`` is the
 IceCache paged cache (:mod:`icecache.cache`); ``ice-reuse`` its variant where only every
 ``reuse_every``-th layer queries its index. ``streaming`` is the same paged cache with sink and
 window pages only (StreamingLLM); ``oracle`` keeps the dense cache and lets each KV head's
@@ -16,7 +18,7 @@ from typing import Any
 from .config import Settings
 from .errors import MethodUnavailable
 
-AVAILABLE = ("full", "ice", "ice-reuse", "oracle", "oracle-qhead", "streaming", "quest", "snapkv")
+AVAILABLE = ("full", "dense", "ice", "ice-reuse", "oracle", "oracle-qhead", "streaming", "quest", "snapkv")
 PLANNED: tuple[str, ...] = ()
 # The paged cache: streaming selects no pages, quest selects token-order pages by key bounds.
 ICE_FAMILY = ("ice", "ice-reuse", "streaming", "quest", "snapkv")
@@ -78,6 +80,10 @@ def make_cache(method: str, model: Any, settings: Settings) -> Any:
             ice_spec(settings, pages=method != "streaming", selector=SELECTOR.get(method, "dci")),
             dense_layers=settings.dense_layers,
             reuse_every=settings.reuse_every if method == "ice-reuse" else 1, device=model.device)
+    if method == "dense":
+        from .cache import DenseCache
+
+        return DenseCache(model.config.num_hidden_layers)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)

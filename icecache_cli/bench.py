@@ -117,7 +117,7 @@ def decode(
             rep.info(f"prefill of {n} tokens (shared by the methods) ...")
             shared = decode_bench.prefill(loaded, settings, n, lambda d, t: rep.progress("prefill", d, t))
             rep.close()
-            rep.info(f"prefill: {shared[3]:.1f} s")
+            rep.info(f"prefill: {shared.seconds:.1f} s")
             for method in method_list:
                 rep.info(f"{method} at {n} tokens: decoding ...")
                 r = decode_bench.run(loaded, settings, method, n, steps=steps, shared=shared)

@@ -63,12 +63,13 @@ def evaluate(
         if out is not None and out.exists() and not out.is_dir():
             raise UsageError(f"--out: {out} exists and is not a folder")
         all_cells = runner.cells(task_list, method_list, budget_list, length_list)
+        config = {"tasks": task_list, "methods": method_list, "budgets": budget_list,
+                  "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
+                  "data": data, "settings": settings.__dict__, "model": model or "embedded"}
         if out is not None:
+            runner.check_resumable(out, config)
             out.mkdir(parents=True, exist_ok=True)
-            (out / "config.json").write_text(json.dumps({
-                "tasks": task_list, "methods": method_list, "budgets": budget_list,
-                "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens, "data": data,
-                "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
+            (out / "config.json").write_text(json.dumps(config, indent=1))
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
         ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data)

@@ -8,7 +8,7 @@ from icecache.bench import decode_bench
 def test_decode_bench_shared_prefill(loaded, cpu_settings):
     settings = cpu_settings.replace(budget=64)
     shared = decode_bench.prefill(loaded, settings, 400)
-    assert len(shared[0]) == 400
+    assert len(shared.ids) == 400
     full = decode_bench.run(loaded, settings, "full", 400, steps=2, shared=shared)
     ice = decode_bench.run(loaded, settings, "ice", 400, steps=2, shared=shared)
     assert full.ctx == ice.ctx == 400 and full.tpot_ms > 0 and ice.tpot_ms > 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from icecache.errors import UsageError
 from icecache.evals import fidelity, passkey, runner
 
 from .conftest import run_cli
@@ -68,8 +69,26 @@ def test_eval_command_json_and_resume(tmp_path):
     again = run_cli(args)  # everything already there: nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr.decode()
     assert json.loads(again.stdout.decode().strip().splitlines()[-1])["results"] == rows
+    other_n = run_cli([a if a != "2" else "3" for a in args])  # other cases: refused, kept
+    assert other_n.returncode == 2 and "n 2, not 3" in other_n.stderr.decode()
+    assert json.loads((tmp_path / "config.json").read_text())["n"] == 2
     bad = run_cli(["eval", "--tasks", "ruler", "--n", "1"])
     assert bad.returncode == 2 and "unknown task 'ruler'" in bad.stderr.decode()
+
+
+def test_check_resumable(tmp_path):
+    cfg = {"tasks": ["passkey"], "n": 10, "seed": 0, "new_tokens": 160, "data": None,
+           "model": "embedded", "settings": {"budget": 256, "index_beam": 32}}
+    runner.check_resumable(tmp_path, cfg)  # empty folder: fine
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    runner.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000,
+                             "score": 1.0, "n": 10})
+    runner.check_resumable(tmp_path, cfg | {"tasks": ["passkey", "vt"]})  # more cells: fine
+    runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 64, "index_beam": 32}})
+    with pytest.raises(UsageError, match="seed 0, not 1"):
+        runner.check_resumable(tmp_path, cfg | {"seed": 1})
+    with pytest.raises(UsageError, match="other settings \\(index_beam\\)"):
+        runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 8}})
 
 
 def test_ruler_tasks_deterministic_and_answerable(loaded):
@@ -148,3 +167,18 @@ def test_longbench_scorers_and_loading(tmp_path):
     f.write_text('{"context": "c"}\n')
     with pytest.raises(InputError, match="line 1"):
         longbench.load(f)
+
+
+@pytest.mark.parametrize("method", ["full", "dense", "ice", "quest", "snapkv", "streaming", "oracle"])
+def test_shared_prefill_decodes_like_own_prefill(loaded, cpu_settings, method):
+    """A session seeded from the one shared prefill decodes as if it had prefilled itself."""
+    from icecache.generation import Session, prefill_once
+
+    settings = cpu_settings.replace(budget=32)
+    case = passkey.cases(loaded.tokenizer, 420, 1, seed=4)[0]
+    ids = loaded.tokenizer(case.prompt)["input_ids"]
+    own, _ = Session(loaded, settings, method).generate(ids, 12)
+    pre = prefill_once(loaded, settings, ids)
+    assert len(pre.obs_queries) == loaded.model.config.num_hidden_layers
+    shared, stats = Session(loaded, settings, method).generate_from(pre, 12)
+    assert shared == own and stats.tokens_in == len(ids)

@@ -15,7 +15,7 @@ from dataclasses import asdict, dataclass, field
 import numpy as np
 import torch
 
-from ..generation import Session
+from ..generation import Prefilled, Session, prefill_once
 from ..index.capture import generated_text
 
 
@@ -49,55 +49,33 @@ def context_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
 
 def kv_bytes(cache, dense_layers: int) -> tuple[int, int, int]:
     """(device-resident KV bytes, host-store KV bytes, device bytes of layers >= dense_layers)."""
-    if hasattr(cache, "device_kv_bytes"):
+    if hasattr(cache, "ice_layers"):
         sparse = sum(layer.device_bytes() for layer in cache.ice_layers())
         return cache.device_kv_bytes(), cache.host_kv_bytes(), sparse
-    per = [2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
+    per = [layer.device_bytes() if hasattr(layer, "device_bytes")
+           else 2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
            if getattr(layer, "keys", None) is not None]
     return sum(per), 0, sum(per[dense_layers:])
 
 
-def prefill(loaded, settings, ctx: int, on_progress=None):
+def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:
     """The model's own chunked full-attention prefill of ``ctx`` generated tokens, once.
 
-    Returns (ids, dense cache, last logits, seconds). Every method's prefill is full attention,
-    so the methods are then started from copies of this KV (:func:`adopt`).
+    Every method's prefill is full attention, so each method then starts from a copy of this KV
+    (:meth:`~icecache.generation.Session.adopt`). ``on_progress(done, total)``.
     """
-    from transformers import DynamicCache
-
-    from ..methods import prepare_model
-
     ids = context_ids(loaded.tokenizer, ctx)
-    prepare_model("full", loaded.model)
-    cache = DynamicCache(config=loaded.model.config)
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        for lo in range(0, len(ids), settings.chunk_size):
-            out = loaded.model(input_ids=torch.tensor([ids[lo : lo + settings.chunk_size]]),
-                               past_key_values=cache, use_cache=True, logits_to_keep=1)
-            if on_progress:
-                on_progress(min(lo + settings.chunk_size, len(ids)), len(ids))
-    return ids, cache, out.logits[0, -1], time.perf_counter() - t0
-
-
-def adopt(session: Session, ids: list[int], dense) -> None:
-    """Give ``session`` a fresh cache of its method holding a copy of the prefill KV ``dense``."""
-    from ..methods import make_cache
-
-    cache = make_cache(session.method, session.loaded.model, session.settings)
-    with torch.inference_mode():
-        for i, layer in enumerate(dense.layers):
-            cache.update(layer.keys.clone(), layer.values.clone(), i)
-    session.cache = cache
-    session.cached_ids = list(ids)
+    report = (lambda _phase, d, t: on_progress(d, t)) if on_progress else None
+    return prefill_once(loaded, settings, ids, on_progress=report)
 
 
 def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 2,
         on_progress=None, shared=None) -> DecodeResult:
     """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from."""
-    ids, dense, logits, prefill_s = shared or prefill(loaded, settings, ctx, on_progress)
+    pre = shared or prefill(loaded, settings, ctx, on_progress)
+    ids, logits, prefill_s = pre.ids, pre.logits, pre.seconds
     session = Session(loaded, settings, method)
-    adopt(session, ids, dense)
+    session.adopt(pre)
     t0 = time.perf_counter()
     with torch.inference_mode():
         token = int(torch.argmax(logits))

@@ -2,6 +2,7 @@
 
 from .attention import paged_decode_reference, register
 from .backend import TorchBackend
+from .dense import DenseCache, GrowingLayer
 from .ice import IceCache, IceLayer, IceSpec, StepStats
 
-__all__ = ["IceCache", "IceLayer", "IceSpec", "StepStats", "TorchBackend", "paged_decode_reference", "register"]
+__all__ = ["DenseCache", "GrowingLayer", "IceCache", "IceLayer", "IceSpec", "StepStats", "TorchBackend", "paged_decode_reference", "register"]

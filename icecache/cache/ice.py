@@ -30,10 +30,11 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin, DynamicLayer
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..index import DCITree, IndexConfig
 from .backend import TorchBackend
+from .dense import GrowingLayer
 from .kernels import plan_head
 
 _current = threading.local()  # the cache whose layer was updated last (read by the attention)
@@ -342,7 +343,8 @@ class IceLayer(CacheLayerMixin):
 
 
 class IceCache(Cache):
-    """Dense layers below ``dense_layers``; :class:`IceLayer` from there on."""
+    """Dense layers (:class:`~icecache.cache.dense.GrowingLayer`) below ``dense_layers``;
+    :class:`IceLayer` from there on."""
 
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
                  reuse_every: int = 1, device: torch.device | str = "cpu"):
@@ -353,7 +355,7 @@ class IceCache(Cache):
         anchor = None
         for i in range(num_layers):
             if i < dense_layers:
-                layers.append(DynamicLayer())
+                layers.append(GrowingLayer())
                 continue
             if reuse_every > 1 and (i - dense_layers) % reuse_every:
                 layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor))
@@ -373,8 +375,7 @@ class IceCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, IceLayer)]
 
     def device_kv_bytes(self) -> int:
-        dense = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in self.layers
-                    if isinstance(layer, DynamicLayer) and layer.is_initialized)
+        dense = sum(layer.device_bytes() for layer in self.layers if isinstance(layer, GrowingLayer))
         return dense + sum(layer.device_bytes() for layer in self.ice_layers())
 
     def host_kv_bytes(self) -> int:

@@ -1,7 +1,8 @@
 """Evaluation cells (task x method x budget x length), each scored and written as it finishes.
 
 Results go to ``OUT/results.jsonl`` (one line per finished cell, flushed), next to
-``OUT/config.json``; a rerun with the same ``--out`` skips the cells already there.
+``OUT/config.json``; a rerun with the same ``--out`` skips the cells already there (and refuses
+to mix in results made with other cases or settings: :func:`check_resumable`).
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import UsageError
-from ..generation import Session
+from ..generation import Prefilled, Session, prefill_once
 from ..index.capture import generated_text
 from ..prompts import qa_messages, render, summarize_messages
 from . import fidelity, passkey, ruler
@@ -20,7 +21,7 @@ from . import fidelity, passkey, ruler
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
 DATA_TASKS = ("gsm8k", "longbench")  # these read --data
 NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
-BUDGETLESS = ("full", "streaming")  # streaming keeps sink + window only
+BUDGETLESS = ("full", "dense", "streaming")  # streaming keeps sink + window only
 
 
 @dataclass(frozen=True)
@@ -71,6 +72,8 @@ class Evaluator:
         self.new_tokens = new_tokens
         self.log = log
         self._refs: dict[int, list] = {}
+        self._group: tuple | None = None
+        self._pre: dict[int, Prefilled] = {}
 
     def run(self, cell: Cell) -> dict:
         if cell.task == "passkey":
@@ -114,14 +117,27 @@ class Evaluator:
         cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed)
         return self._generated(cell, cases, NEW_TOKENS[cell.task], lambda out, c: ruler.score(out, c.expected))
 
+    def _prefilled(self, cell: Cell, i: int, ids: list[int]) -> Prefilled:
+        """Case ``i``'s prompt prefilled once for every method and budget of its task and length.
+
+        Cells run task by task, length by length, so only the current group's prefills are kept.
+        """
+        group = (cell.task, cell.length, self.seed, self.n)
+        if self._group != group:
+            self._group, self._pre = group, {}
+        pre = self._pre.get(i)
+        if pre is None or pre.ids != ids:
+            pre = self._pre[i] = prefill_once(self.loaded, self.settings, ids)
+        return pre
+
     def _generated(self, cell: Cell, cases, new_tokens: int, score) -> dict:
-        """Each case's prompt through a fresh session of the cell's method, scored."""
+        """Each case's prompt, from its shared prefill, decoded by the cell's method; scored."""
         tok = self.loaded.tokenizer
         settings = _settings(self.settings, cell)
         scores = []
-        for case in cases:
-            out, _ = Session(self.loaded, settings, cell.method).generate(
-                tok(case.prompt)["input_ids"], new_tokens)
+        for i, case in enumerate(cases):
+            pre = self._prefilled(cell, i, tok(case.prompt)["input_ids"])
+            out, _ = Session(self.loaded, settings, cell.method).generate_from(pre, new_tokens)
             scores.append(score(tok.decode(out), case))
         return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
 
@@ -140,6 +156,39 @@ class Evaluator:
             f = fidelity.measure(self.loaded, _settings(self.settings, cell), cell.method, ref)
             agree, total, kl = agree + f.agree, total + f.total, kl + f.kl_sum
         return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
+
+
+# What a finished cell's score depends on besides its own (task, method, budget, length).
+CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model")
+
+
+def check_resumable(out: Path, config: dict) -> None:
+    """Refuse to resume into ``out`` when its results came from other cases or settings.
+
+    Cells are keyed by (task, method, budget, length) only, so results made with another ``--n``,
+    seed, data file, model or profile would otherwise be reused silently. Adding tasks, methods,
+    budgets or lengths to a run is fine.
+    """
+    cfg_path, res_path = out / "config.json", out / "results.jsonl"
+    if not (cfg_path.exists() and res_path.exists() and res_path.stat().st_size):
+        return
+    try:
+        old = json.loads(cfg_path.read_text())
+    except (OSError, json.JSONDecodeError):
+        raise UsageError(f"--out: {cfg_path} is unreadable; use another --out") from None
+    new = json.loads(json.dumps(config))  # the same JSON types as the file
+    for key in CASE_KEYS:
+        a, b = old.get(key), new.get(key)
+        if key == "settings" and isinstance(a, dict) and isinstance(b, dict):
+            a = {k: v for k, v in a.items() if k != "budget"}  # the budget is part of each cell
+            b = {k: v for k, v in b.items() if k != "budget"}
+            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            if diff:
+                raise UsageError(f"--out: {out} holds results made with other settings "
+                                 f"({', '.join(diff)}); use another --out to keep both")
+        elif a != b:
+            raise UsageError(f"--out: {out} holds results made with {key} {a!r}, not {b!r}; "
+                             "use another --out to keep both")
 
 
 def load_done(out: Path | None) -> dict[tuple, dict]:

@@ -1,0 +1,54 @@
+"""A prefill that several methods share: SDPA attention that also keeps the prompt-end queries.
+
+Every method in this project prefills with full attention, so one dense prefill can seed them
+all (``Session.adopt``). The one thing a method reads from the prefill besides keys and values is
+SnapKV's observation window (the last queries of the prompt, per layer); this attention records
+them while computing ordinary SDPA attention.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+NAME = "icecache_record"
+_registered = False
+_state = threading.local()
+
+
+def start(observation: int) -> None:
+    _state.observation = observation
+    _state.queries = {}
+
+
+def recorded() -> dict[int, torch.Tensor]:
+    """Layer index -> (query heads, up to ``observation``, head_dim) of the last prompt tokens."""
+    return getattr(_state, "queries", {})
+
+
+def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    w = getattr(_state, "observation", 0)
+    if w:
+        i = module.layer_idx
+        tail = query[0, :, -w:].detach()
+        prev = _state.queries.get(i)
+        if prev is not None and tail.shape[1] < w:  # a short last chunk: keep the earlier queries
+            tail = torch.cat([prev, tail], dim=1)[:, -w:]
+        _state.queries[i] = tail.clone()
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                  dropout=dropout, **kwargs)
+
+
+def register() -> str:
+    global _registered
+    if not _registered:
+        from transformers import AttentionInterface, AttentionMaskInterface
+        from transformers.masking_utils import sdpa_mask
+
+        AttentionInterface.register(NAME, record_attention)
+        AttentionMaskInterface.register(NAME, sdpa_mask)
+        _registered = True
+    return NAME

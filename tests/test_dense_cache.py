@@ -1,0 +1,55 @@
+"""The in-place growing dense layer against transformers' concatenating one."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.cache import DenseCache, GrowingLayer
+from icecache.methods import make_cache, prepare_model
+from tests.test_ice_cache import full_cache, run_steps, tiny_model
+
+
+@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 1)])
+def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads):
+    model = tiny_model(arch, kv_heads)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 97, 600).tolist()  # 2 chunks of 300: the second grows the buffer
+    forced = rng.integers(0, 97, 20).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    prepare_model("dense", model)
+    cache = DenseCache(model.config.num_hidden_layers)
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == 620
+    layer = cache.layers[0]
+    assert layer.keys.shape[2] == 620 and layer._k.shape[2] == 600 + 256
+    assert cache.device_kv_bytes() == sum(2 * lay._k.numel() * 4 for lay in cache.layers)
+
+
+def test_growing_layer_grows_in_place_and_crops():
+    layer = GrowingLayer()
+    k = torch.randn(1, 2, 200, 8)
+    v = torch.randn(1, 2, 200, 8)
+    layer.update(k, v)
+    buf = layer._k
+    assert buf.shape[2] == 200 + 256
+    for i in range(256):  # fills the buffer without a new one
+        layer.update(torch.full((1, 2, 1, 8), float(i)), torch.full((1, 2, 1, 8), -float(i)))
+    assert layer._k is buf and layer.get_seq_length() == 456
+    layer.update(torch.ones(1, 2, 1, 8), torch.ones(1, 2, 1, 8))  # one more row: grows
+    assert layer._k is not buf and layer._k.shape[2] == 457 + 256
+    torch.testing.assert_close(layer.keys[:, :, :200], k)
+    assert float(layer.keys[0, 1, 455, 0]) == 255.0 and float(layer.values[0, 0, 455, 3]) == -255.0
+    layer.crop(-7)
+    assert layer.get_seq_length() == 450 and layer.keys.shape[2] == 450
+    with pytest.raises(ValueError):
+        layer.crop(3)
+
+
+def test_make_cache_dense_method(cpu_settings, loaded):
+    cache = make_cache("dense", loaded.model, cpu_settings)
+    assert isinstance(cache, DenseCache)
+    assert len(cache.layers) == loaded.model.config.num_hidden_layers
