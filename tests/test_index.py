@@ -201,3 +201,22 @@ def test_select_group_merges_per_query_pages():
         ref = merge_group_pages(
             [ranked_pages(exact_topk(keys, q, 64).astype(np.int32), t.tok_page, 6) for q in queries], 6)
         assert got.tolist() == ref.tolist()
+
+
+def test_best_pages_path_equals_ranking_the_top_points():
+    """The page path of the group selection (best member per page) picks the same pages, in the
+    same order, as ranking the group's top max_pages x page_size points, call after call."""
+    keys = clustered(6000, d=32, clusters=40, seed=3)
+    t = DCITree(32, IndexConfig(page_size=16, beam=6, beam_frac=0.0))
+    t.insert(keys)
+    queries = clustered(12, d=32, clusters=40, seed=4)
+    for lo in range(0, 12, 3):
+        qs = queries[lo : lo + 3]
+        for pages in (1, 4, 16):
+            ids, _ = t.search_group(qs, pages * 16)
+            ref = kernels.group_pages(ids, t.tok_page, pages)
+            for _ in range(2):  # a second call: fresh marks
+                assert t.select_group(qs, pages * 16, pages).tolist() == ref.tolist()
+    t.insert(clustered(500, d=32, clusters=40, seed=8))  # more pages: the scratch grows
+    ids, _ = t.search_group(queries[:3], 64)
+    assert t.select_group(queries[:3], 64, 4).tolist() == kernels.group_pages(ids, t.tok_page, 4).tolist()

@@ -397,8 +397,12 @@ def select_group(queries, k, max_pages, u, top_level, beam, visit_frac, PX, leve
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_ids, out_scores, m):
-    """All children of ``node`` scored against every row of ``V`` (g, D): one read per page."""
+def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_ids, out_pages,
+                      out_scores, m):
+    """All children of ``node`` scored against every row of ``V`` (g, d): one read per page.
+
+    The last column of the transformed keys is not read: the queries' is zero.
+    """
     g, D = V.shape
     pg = first_page[node]
     while pg >= 0:
@@ -409,25 +413,25 @@ def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_id
                     acc += PX[pg, s, d] * V[r, d]
                 out_scores[m, r] = acc
             out_ids[m] = members[pg, s]
+            out_pages[m] = pg
             m += 1
         pg = next_page[pg]
     return m
 
 
 @njit(nogil=True, cache=True)
-def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
-                        mark, scratch_ids, scratch_scores, out_ids, out_scores):
-    """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
+def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count, mark,
+                 scratch_ids, scratch_pages, scratch_scores):
+    """The group's shared walk down the tree; returns (rows scored, query norms).
 
     At each level the union of every query's ``beam`` best nodes is expanded, and each child is
     read once and scored against all queries (a GQA group's queries share one KV head, and
-    reading the index, not arithmetic, is what a query costs). Each query keeps its own beam and
-    its own top-``k``, chosen among everything the group scanned (on clustered test data this
-    finds more of the true top keys than lone walks with the same beam).
-    ``mark``: int64 per node (n + 1), reused across calls; ``scratch_scores``: (n, g).
+    reading the index, not arithmetic, is what a query costs). Row i of ``scratch_ids`` /
+    ``scratch_pages`` / ``scratch_scores`` holds a scored point, its page and its score per
+    query (unit-norm queries); a page's rows are contiguous, and each page is scanned once.
     """
     g, d = queries.shape
-    V = np.zeros((g, d + 1), np.float32)
+    V = np.zeros((g, d), np.float32)
     norms = np.empty(g, np.float32)
     for r in range(g):
         acc = 0.0
@@ -445,7 +449,7 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
         m = kept
         for f in range(frontier.shape[0]):
             m = _scan_node_shared(frontier[f], V, PX, first_page, next_page, members, count,
-                                  scratch_ids, scratch_scores, m)
+                                  scratch_ids, scratch_pages, scratch_scores, m)
         if lvl > 0 and m > kept:
             nxt = np.empty(g * min(beam, m - kept), np.int64)
             nn = 0
@@ -460,6 +464,22 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
             frontier = nxt[:nn]
         kept = m
         lvl -= 1
+    return kept, norms
+
+
+@njit(nogil=True, cache=True)
+def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
+                        mark, scratch_ids, scratch_pages, scratch_scores, out_ids, out_scores):
+    """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
+
+    Each query keeps its own beam and its own top-``k``, chosen among everything the group
+    scanned (on clustered test data this finds more of the true top keys than lone walks with
+    the same beam). ``mark``: int64 per node (n + 1), reused across calls; ``scratch_scores``:
+    (n, g).
+    """
+    g = queries.shape[0]
+    kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members,
+                               count, mark, scratch_ids, scratch_pages, scratch_scores)
     for r in range(g):
         col = scratch_scores[:kept, r].copy()
         kk = min(k, kept)
@@ -474,12 +494,56 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
 
 
 @njit(nogil=True, cache=True)
+def best_pages(scratch_pages, scratch_scores, kept, r, max_pages):
+    """Query ``r``'s pages ranked by their best scored member, at most ``max_pages``.
+
+    The same list as ``ranked_pages`` of the query's top ``max_pages x page_size`` points (a
+    page's rank there is its best member's rank, and that many points cannot hold more than
+    ``max_pages`` distinct pages before the last one's best member), without ranking the points.
+    A page's scanned rows are one contiguous run (see ``_walk_shared``).
+    """
+    pages = np.empty(kept, np.int32)
+    best = np.empty(kept, np.float32)
+    n = 0
+    i = 0
+    while i < kept:
+        p = scratch_pages[i]
+        b = scratch_scores[i, r]
+        i += 1
+        while i < kept and scratch_pages[i] == p:
+            if scratch_scores[i, r] > b:
+                b = scratch_scores[i, r]
+            i += 1
+        pages[n] = p
+        best[n] = b
+        n += 1
+    order = topk_indices(best[:n], min(max_pages, n))
+    return pages[order]
+
+
+@njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
-                        members, count, tok_page, mark, scratch_ids, scratch_scores):
-    """``select_group`` with the shared walk of ``search_group_shared``."""
+                        members, count, tok_page, mark, scratch_ids, scratch_pages,
+                        scratch_scores):
+    """``select_group`` with the shared walk of ``search_group_shared``.
+
+    When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
+    query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
+    its top-``k`` points: the same pages, without sorting ``k`` points per query.
+    """
     g = queries.shape[0]
-    ids = np.empty((g, k), np.int32)
-    scores = np.empty((g, k), np.float32)
-    search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
-                        mark, scratch_ids, scratch_scores, ids, scores)
-    return group_pages(ids, tok_page, max_pages)
+    if k < max_pages * PX.shape[1]:
+        ids = np.empty((g, k), np.int32)
+        scores = np.empty((g, k), np.float32)
+        search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members,
+                            count, mark, scratch_ids, scratch_pages, scratch_scores, ids, scores)
+        return group_pages(ids, tok_page, max_pages)
+    kept, _ = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
+                           mark, scratch_ids, scratch_pages, scratch_scores)
+    lists = np.empty((g, max_pages), np.int32)
+    lens = np.zeros(g, np.int64)
+    for r in range(g):
+        pages = best_pages(scratch_pages, scratch_scores, kept, r, max_pages)
+        lists[r, : pages.shape[0]] = pages
+        lens[r] = pages.shape[0]
+    return merge_ranked(lists, lens, max_pages)

@@ -380,8 +380,9 @@ class DCITree:
         return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
 
     def _group_scratch(self, g: int):
-        if self._gscr is None or self._gscr[1].shape[0] < self.n or self._gscr[1].shape[1] != g:
-            self._gscr = (np.zeros(self.cap + 1, np.int64), np.empty((self.cap, g), np.float32))
+        if self._gscr is None or self._gscr[2].shape[0] < self.n or self._gscr[2].shape[1] != g:
+            self._gscr = (np.zeros(self.cap + 1, np.int64), np.empty(self.cap, np.int32),
+                          np.empty((self.cap, g), np.float32))
         return self._gscr
 
     def search_group(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
@@ -392,10 +393,10 @@ class DCITree:
         scores = np.full((h, k), -np.inf, np.float32)
         if self.n == 0:
             return ids, scores
-        mark, ssc = self._group_scratch(h)
+        mark, spg, ssc = self._group_scratch(h)
         kernels.search_group_shared(
             queries, k, self.beam_for(), self.PX, self.top_level, self.first_page, self.next_page,
-            self.members, self.count, mark, self._sid, ssc, ids, scores)
+            self.members, self.count, mark, self._sid, spg, ssc, ids, scores)
         return ids, scores
 
     def select_group(self, queries: np.ndarray, k: int, max_pages: int) -> np.ndarray:
@@ -408,10 +409,10 @@ class DCITree:
         if self.n == 0:
             return np.empty(0, np.int32)
         if self.cfg.shared_walk:
-            mark, ssc = self._group_scratch(queries.shape[0])
+            mark, spg, ssc = self._group_scratch(queries.shape[0])
             return kernels.select_group_shared(
                 queries, k, max_pages, self.beam_for(), self.PX, self.top_level, self.first_page,
-                self.next_page, self.members, self.count, self.tok_page, mark, self._sid, ssc)
+                self.next_page, self.members, self.count, self.tok_page, mark, self._sid, spg, ssc)
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
