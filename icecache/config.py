@@ -25,6 +25,7 @@ import yaml
 from .errors import ProfileError
 
 DTYPES = ("float32", "bfloat16", "float16")
+PREFILL_MODES = ("full", "sparse")
 MAX_THREADS = 256
 
 
@@ -53,6 +54,10 @@ class Settings:
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
+    prefill: str = "full"  # "full": chunks attend to all before them; "sparse": to selected pages
+    prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
+    dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
+    pipeline: bool = True  # offload and index a layer in the background while the next computes
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -62,7 +67,7 @@ class Settings:
         return self.budget // self.page_size
 
 
-_TYPES = {"str": str, "int": int, "float": float}
+_TYPES = {"str": str, "int": int, "float": float, "bool": bool}
 FIELD_TYPES: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings)}
 
 
@@ -75,6 +80,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
     want = FIELD_TYPES[key]
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
+    if want is bool and isinstance(value, bool):
+        return value
     if isinstance(value, bool) or not isinstance(value, want):
         raise ProfileError(f"{_where(source, key)} must be {want.__name__}, got {type(value).__name__} {value!r}")
     return value
@@ -112,6 +119,12 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("reuse_every", "must be >= 1")
     if s.chunk_size <= 0 or s.chunk_size % s.page_size:
         raise bad("chunk_size", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.prefill not in PREFILL_MODES:
+        raise bad("prefill", f"must be one of {', '.join(PREFILL_MODES)}")
+    if s.prefill_budget <= 0 or s.prefill_budget % s.page_size:
+        raise bad("prefill_budget", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.dense_window <= 0:
+        raise bad("dense_window", "must be > 0")
     resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget
     if s.max_context < resident:
         raise bad("max_context", f"must hold at least sink + window + budget ({resident} tokens)")

@@ -181,9 +181,13 @@ class Session:
         t0 = time.perf_counter()
         chunk = self.settings.chunk_size
         logits = None
+        if hasattr(self.cache, "begin_prefill"):
+            self.cache.begin_prefill(len(ids) - start)
         for lo in range(start, len(ids), chunk):
             logits = self._forward(ids[lo : lo + chunk])
             report("prefill", min(lo + chunk, len(ids)) - start, len(ids) - start)
+        if hasattr(self.cache, "end_prefill"):
+            self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0
         return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
 

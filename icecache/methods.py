@@ -16,13 +16,22 @@ from __future__ import annotations
 from typing import Any
 
 from .config import Settings
-from .errors import MethodUnavailable
+from .errors import MethodUnavailable, UsageError
 
 AVAILABLE = ("full", "dense", "ice", "ice-reuse", "oracle", "oracle-qhead", "streaming", "quest", "snapkv")
 PLANNED: tuple[str, ...] = ()
 # The paged cache: streaming selects no pages, quest selects token-order pages by key bounds.
 ICE_FAMILY = ("ice", "ice-reuse", "streaming", "quest", "snapkv")
 SELECTOR = {"quest": "quest", "snapkv": "snapkv"}
+
+
+SPARSE_PREFILL = ("ice", "ice-reuse", "streaming", "quest")  # methods a sparse prefill can use
+
+
+def check_prefill(method: str, settings: Settings) -> None:
+    """A sparse prefill selects pages per chunk: only the paged methods with an index can."""
+    if settings.prefill == "sparse" and method not in SPARSE_PREFILL:
+        raise UsageError(f"--prefill sparse works with {', '.join(SPARSE_PREFILL)}, not '{method}'")
 
 
 def check_method(method: str) -> str:
@@ -47,6 +56,11 @@ def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
         window_tokens=settings.window_pages * settings.page_size,
         index=IndexConfig(page_size=settings.page_size, beam=settings.index_beam),
         selector=selector,
+        pipeline=settings.pipeline,
+        sparse_prefill=settings.prefill == "sparse",
+        prefill_pages=settings.prefill_budget // settings.page_size,
+        chunk_tokens=settings.chunk_size,
+        dense_window=settings.dense_window,
     )
 
 
@@ -71,6 +85,7 @@ def prepare_model(method: str, model: Any, settings: Settings | None = None) -> 
 def make_cache(method: str, model: Any, settings: Settings) -> Any:
     """A fresh cache object for one sequence under ``method``."""
     check_method(method)
+    check_prefill(method, settings)
     prepare_model(method, model, settings)
     if method in ICE_FAMILY:
         from .cache import IceCache

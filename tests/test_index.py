@@ -220,3 +220,14 @@ def test_best_pages_path_equals_ranking_the_top_points():
     t.insert(clustered(500, d=32, clusters=40, seed=8))  # more pages: the scratch grows
     ids, _ = t.search_group(queries[:3], 64)
     assert t.select_group(queries[:3], 64, 4).tolist() == kernels.group_pages(ids, t.tok_page, 4).tolist()
+
+
+@pytest.mark.parametrize("n", [5, 20, 48, 64])
+def test_small_first_insert_point_by_point_has_room_for_its_pages(n):
+    """A first batch of <= 64 points goes in point by point: splits of pages of 4 leave pages
+    half full, so it needs more pages than ceil(n / page_size) (it once wrote past the end)."""
+    for seed in range(5):
+        t = DCITree(16, IndexConfig(page_size=4, ratio_bottom=0.1), capacity=max(16, n + 16))
+        t.insert(np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32))
+        assert t.npages <= t.pcap
+        check_invariants(t)

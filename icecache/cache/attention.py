@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 NAME = "icecache"
@@ -37,28 +38,106 @@ def paged_decode_sdpa(q, k, v, valid, scaling):
     return out[:, 0]
 
 
+def chunk_positions(C: int, n: int) -> np.ndarray:
+    """``n`` positions of a chunk of ``C`` queries, evenly spread and ending at the last one."""
+    return np.unique(np.linspace(0, C - 1, min(n, C)).round().astype(np.int64)) if C else np.empty(0, np.int64)
+
+
+def paged_chunk_reference(q, k, v, valid, chunk_at, scaling):
+    """A sparse-prefill chunk's attention in plain torch (the reference of :func:`paged_chunk_sdpa`).
+
+    q (H, G, C, d): the chunk's queries grouped by KV head; k, v (H, L, d) the resident rows
+    (sink, loaded pages, window, then the chunk itself at rows ``chunk_at`` .. ``chunk_at + C``);
+    valid (H, L). Query t sees the valid rows before the chunk and chunk rows up to its own.
+    """
+    H, G, C, d = q.shape
+    L = k.shape[1]
+    mask = chunk_mask(valid, chunk_at, C)  # (H, C, L)
+    scores = torch.einsum("hgcd,hld->hgcl", q.float(), k.float()) * scaling
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgcl,hld->hgcd", probs, v.float()).to(q.dtype)
+
+
+def chunk_mask(valid: torch.Tensor, chunk_at: int, C: int) -> torch.Tensor:
+    H, L = valid.shape
+    mask = valid[:, None, :].expand(H, C, L).clone()
+    causal = torch.ones(C, C, dtype=torch.bool, device=valid.device).tril()
+    mask[:, :, chunk_at : chunk_at + C] &= causal
+    return mask
+
+
+def paged_chunk_sdpa(q, k, v, valid, chunk_at, scaling):
+    """:func:`paged_chunk_reference` through torch's fused SDPA."""
+    import torch.nn.functional as F
+
+    H, G, C, d = q.shape
+    mask = chunk_mask(valid, chunk_at, C)[:, None]  # (H, 1, C, L): the group shares it
+    kk = k[:, None].expand(H, G, *k.shape[1:])
+    vv = v[:, None].expand(H, G, *v.shape[1:])
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scaling)
+
+
+def windowed_dense(query, key, value, sink: int, window: int, scaling):
+    """Sparse prefill in a dense layer: the chunk attends to the first ``sink`` tokens and the
+    ``window`` tokens before it (plus itself, causally), not to the whole prefix.
+
+    query (1, Hq, C, d); key, value (1, H, n, d) with the chunk as the last C rows.
+    """
+    import torch.nn.functional as F
+
+    C, n = query.shape[2], key.shape[2]
+    w0 = n - C - window
+    if w0 <= sink:
+        return None  # the whole prefix fits: ordinary causal attention
+    k = torch.cat([key[:, :, :sink], key[:, :, w0:]], dim=2)
+    v = torch.cat([value[:, :, :sink], value[:, :, w0:]], dim=2)
+    L = k.shape[2]
+    mask = torch.ones(C, L, dtype=torch.bool, device=query.device)
+    mask[:, sink + window :] = torch.ones(C, C, dtype=torch.bool, device=query.device).tril()
+    out = F.scaled_dot_product_attention(query, k, v, attn_mask=mask[None, None], scale=scaling,
+                                         enable_gqa=query.shape[1] != key.shape[1])
+    return out.transpose(1, 2).contiguous()
+
+
 def ice_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from .dense import GrowingLayer
     from .ice import IceLayer, current_cache
 
     cache = current_cache()
     layer = cache.layers[module.layer_idx] if cache is not None else None
+    B, Hq, C, d = query.shape
+    scale = scaling if scaling is not None else d ** -0.5
     if isinstance(layer, IceLayer) and not layer.decoding and layer.spec.selector == "snapkv":
         layer.obs_q = query[0, :, -layer.spec.observation :].detach()  # the prompt end votes
-    if not isinstance(layer, IceLayer) or not layer.decoding or query.shape[2] != 1:
+    if isinstance(layer, GrowingLayer) and C > 1 and cache.spec.sparse_prefill:
+        out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale)
+        if out is not None:
+            return out, None
+    if not isinstance(layer, IceLayer) or not layer.decoding:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    B, Hq, _, d = query.shape
-    q = query[0, :, 0]  # (Hq, d)
-    layer.select(q)
+    H = layer.H
+    G = Hq // H
+    if C == 1:
+        q = query[0, :, 0]  # (Hq, d)
+        layer.select(q)
+    else:  # a sparse-prefill chunk: a few of its positions choose the pages for all of it
+        pos = torch.from_numpy(chunk_positions(C, layer.spec.prefill_queries)).to(query.device)
+        qs = query[0][:, pos]  # (Hq, n, d), grouped by KV head (Hq = H * G)
+        layer.select(qs.reshape(Hq * len(pos), d), pages=layer.spec.prefill_pages)
     layer.load()
     t0 = time.perf_counter()
     k, v, valid = layer.resident_kv()
-    scale = scaling if scaling is not None else d ** -0.5
-    out = paged_decode_sdpa(q.view(layer.H, Hq // layer.H, d), k, v, valid, scale)
-    layer.stats.attention_s += time.perf_counter() - t0
-    return out.reshape(1, 1, Hq, d), None
+    if C == 1:
+        out = paged_decode_sdpa(q.view(H, G, d), k, v, valid, scale)
+        layer.stats.attention_s += time.perf_counter() - t0
+        return out.reshape(1, 1, Hq, d), None
+    out = paged_chunk_sdpa(query[0].view(H, G, C, d), k, v, valid, layer.chunk_at, scale)
+    layer.after_chunk()
+    return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous(), None
 
 
 def register() -> str:

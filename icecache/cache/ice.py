@@ -41,6 +41,21 @@ _current = threading.local()  # the cache whose layer was updated last (read by 
 
 
 _pool = None
+_bg = None
+
+
+def _submit(fn, *args):
+    """Run ``fn(*args)`` on the one worker thread for offload and indexing behind the model's
+    compute (the numba kernels release the GIL), in inference mode like the caller."""
+    global _bg
+    if _bg is None:
+        _bg = ThreadPoolExecutor(max_workers=1, thread_name_prefix="icecache-index")
+
+    def job():
+        with torch.inference_mode():
+            return fn(*args)
+
+    return _bg.submit(job)
 
 
 def _workers():
@@ -66,6 +81,19 @@ class IceSpec:
     index: IndexConfig = field(default_factory=IndexConfig)
     selector: str = "dci"  # "dci" (IceCache), "quest" (token-order pages, min/max bounds), "snapkv"
     observation: int = 32  # snapkv: prompt-end queries that vote
+    pipeline: bool = True  # offload + index a layer in the background while the next computes
+    sparse_prefill: bool = False  # chunks after the first attend to sink + selected pages + window
+    prefill_pages: int = 64  # sparse prefill: pages a chunk selects per KV head
+    chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
+    prefill_queries: int = 8  # sparse prefill: chunk positions whose queries select the pages
+    dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
+
+    @property
+    def pool_pages(self) -> int:
+        """Pool slots during prefill (a sparse chunk's selection may be larger than decode's)."""
+        if self.sparse_prefill and self.budget_pages:
+            return max(self.budget_pages, self.prefill_pages)
+        return self.budget_pages
 
 
 @dataclass
@@ -111,9 +139,15 @@ class IceLayer(CacheLayerMixin):
         self.backend = backend
         self.stats = stats
         self.anchor = anchor  # ice-reuse: take this layer's selection and page layout
+        self.followers: list[IceLayer] = []  # ice-reuse: the layers that take this one's
+        if anchor is not None:
+            anchor.followers.append(self)
         self.decoding = False
         self.length = 0  # tokens seen (sink + middle + window)
+        self.expect = 0  # the prompt's length once announced (IceCache.begin_prefill)
         self.selected: list[np.ndarray] = []
+        self._pending = None  # background work on this layer (finalize or an eviction)
+        self.chunk_at = self.chunk_len = 0  # the sparse-prefill chunk's rows in the window
 
     # -- transformers' layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
@@ -128,22 +162,51 @@ class IceLayer(CacheLayerMixin):
             raise NotImplementedError("the ice cache holds one sequence (batch size 1)")
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        self.wait()
         q = key_states.shape[2]
         if not self.decoding:
-            if q == 1 and self.length > 0:
-                self._finalize()
+            if self.length > 0 and (q == 1 or self.spec.sparse_prefill):
+                self.finalize_now()  # the first decode step, or the second sparse-prefill chunk
             else:
                 self.keys = torch.cat([self.keys, key_states], dim=2)
                 self.values = torch.cat([self.values, value_states], dim=2)
                 self.length += q
+                if (self.spec.pipeline and self.expect and self.length >= self.expect
+                        and not self.spec.sparse_prefill and self.spec.selector != "snapkv"):
+                    # The prompt's last chunk has passed this layer: offload and index it while
+                    # the next layers compute (snapkv needs this chunk's queries first).
+                    self._pending = (_submit(self._finalize), "finalize")
                 return self.keys, self.values
         if q != 1:
-            raise NotImplementedError(
-                "ice: after decoding started, tokens must come one at a time (sparse chunked "
-                "prefill is not built yet)")
+            self._append_chunk(key_states[0], value_states[0])
+            w = slice(self.win_at, self.win_at + self.win_fill)
+            return self.res_k[None, :, w], self.res_v[None, :, w]  # not used by the ice attention
+        if self.win_cap > self.spec.window_tokens + self.spec.page_size:
+            self.chunk_len = 0  # the first decode step after a sparse prefill
+            self._to_decode_pool()
         self._append(key_states[0, :, 0], value_states[0, :, 0])
         w = slice(self.win_at, self.win_at + self.win_fill)
         return self.res_k[None, :, w], self.res_v[None, :, w]  # not used by the ice attention
+
+    def wait(self) -> None:
+        """Finish this layer's background work (re-raising its error, if any)."""
+        if self._pending is None:
+            return
+        fut, kind = self._pending
+        self._pending = None
+        fut.result()
+        if kind == "finalize":
+            self._finalized()
+
+    def finalize_now(self) -> None:
+        self.wait()
+        if not self.decoding and self.length > 0:
+            self._finalize()
+            self._finalized()
+
+    def _finalized(self) -> None:
+        self.keys = self.values = None  # the dense prefill copy is gone
+        self.decoding = True
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0
@@ -162,11 +225,11 @@ class IceLayer(CacheLayerMixin):
         sink = min(spec.sink_tokens, T)
         mid = max(0, T - sink - spec.window_tokens)
         k, v = self.keys[0], self.values[0]  # (H, T, d)
-        H, d, P = self.H, self.d, spec.budget_pages
+        H, d, P = self.H, self.d, spec.pool_pages
         self.sink_len = sink
         self.pool_at = spec.sink_tokens
         self.win_at = self.pool_at + P * S
-        self.win_cap = spec.window_tokens + S
+        self.win_cap = spec.window_tokens + S + (spec.chunk_tokens if spec.sparse_prefill else 0)
         L = self.win_at + self.win_cap
         self.L = L
         self.res_k = self.backend.device_zeros((H, L, d), self.dtype)
@@ -210,8 +273,6 @@ class IceLayer(CacheLayerMixin):
                 self.trees.append(tree)
                 self.page_version.append(np.zeros(max(64, tree.npages * 2), np.int64))
             self.stats.index_build_s += time.perf_counter() - t0
-        self.keys = self.values = None  # the dense prefill copy is gone
-        self.decoding = True
 
     def _new_index(self, d: int, capacity: int, head: int):
         if self.spec.selector == "snapkv":
@@ -227,8 +288,9 @@ class IceLayer(CacheLayerMixin):
 
     def _append(self, k: torch.Tensor, v: torch.Tensor) -> None:
         """One new token (H, d) into the window; a full window sends its oldest page away."""
-        if self.win_fill == self.win_cap:
-            self._evict(self.spec.page_size)
+        S, keep = self.spec.page_size, self.spec.window_tokens
+        if self.win_fill >= keep + S:
+            self._evict((self.win_fill - keep) // S * S)
         at = self.win_at + self.win_fill
         self.res_k[:, at] = k
         self.res_v[:, at] = v
@@ -236,7 +298,65 @@ class IceLayer(CacheLayerMixin):
         self.win_fill += 1
         self.length += 1
 
+    def _append_chunk(self, k: torch.Tensor, v: torch.Tensor) -> None:
+        """A sparse-prefill chunk (H, C, d) into the window (the previous chunk's full pages
+        older than the window went to the host store and the index after its attention)."""
+        C = k.shape[1]
+        if self.win_fill + C > self.win_cap:
+            raise ValueError(f"a prefill chunk of {C} tokens exceeds the chunk size the cache "
+                             f"was set up for ({self.spec.chunk_tokens})")
+        at = self.win_at + self.win_fill
+        self.res_k[:, at : at + C] = k
+        self.res_v[:, at : at + C] = v
+        self.valid[:, at : at + C] = True
+        self.chunk_at, self.chunk_len = at, C
+        self.win_fill += C
+        self.length += C
+
+    def after_chunk(self) -> None:
+        """After a sparse-prefill chunk's attention: the window's full pages older than the last
+        ``window_tokens`` go to the host store and the index, in the background when pipelining
+        (the next layers compute meanwhile; this layer's next chunk waits for it)."""
+        if self.followers:
+            return  # an ice-reuse anchor: its pages change only after its followers attended
+        self._evict_old()
+        if self.anchor is not None and self is self.anchor.followers[-1]:
+            self.anchor._evict_old()
+
+    def _evict_old(self) -> None:
+        S, keep = self.spec.page_size, self.spec.window_tokens
+        if self.win_fill - keep >= S:
+            self._evict((self.win_fill - keep) // S * S)
+
+    def _to_decode_pool(self) -> None:
+        """After a sparse prefill: the resident buffer shrinks to the decode budget's pool and a
+        page of window slack (the pool starts empty; the first step loads its pages)."""
+        S, keep, P = self.spec.page_size, self.spec.window_tokens, self.spec.budget_pages
+        self._evict_old()
+        self.wait()
+        H, d = self.H, self.d
+        win_at = self.pool_at + P * S
+        L = win_at + keep + S
+        res_k = self.backend.device_zeros((H, L, d), self.dtype)
+        res_v = self.backend.device_zeros((H, L, d), self.dtype)
+        valid = np.zeros((H, L), np.bool_)
+        n, f = self.sink_len, self.win_fill
+        res_k[:, :n] = self.res_k[:, :n]
+        res_v[:, :n] = self.res_v[:, :n]
+        valid[:, :n] = True
+        res_k[:, win_at : win_at + f] = self.res_k[:, self.win_at : self.win_at + f]
+        res_v[:, win_at : win_at + f] = self.res_v[:, self.win_at : self.win_at + f]
+        valid[:, win_at : win_at + f] = True
+        self.res_k, self.res_v, self.valid = res_k, res_v, valid
+        self.win_at, self.win_cap, self.L = win_at, keep + S, L
+        self.slot_page = np.full((H, P), -1, np.int64)
+        self.slot_version = np.zeros((H, P), np.int64)
+        self.slot_fill = np.zeros((H, P), np.int64)
+
     def _evict(self, m: int) -> None:
+        """The window's oldest ``m`` tokens go to the host store and the index (in the background
+        when pipelining; the next step on this layer waits for it)."""
+        self.wait()
         w0, f = self.win_at, self.win_fill
         old_k = self.res_k[:, w0 : w0 + m].to("cpu", copy=True)  # a view on CPU otherwise
         old_v = self.res_v[:, w0 : w0 + m].to("cpu", copy=True)
@@ -244,6 +364,13 @@ class IceLayer(CacheLayerMixin):
         self.res_v[:, w0 : w0 + f - m] = self.res_v[:, w0 + m : w0 + f].clone()
         self.valid[:, w0 + f - m : w0 + f] = False
         self.win_fill -= m
+        if self.spec.pipeline and m > self.spec.page_size:
+            self._pending = (_submit(self._store, old_k, old_v), "evict")
+        else:
+            self._store(old_k, old_v)
+
+    def _store(self, old_k: torch.Tensor, old_v: torch.Tensor) -> None:
+        m = old_k.shape[1]
         if self.mid + m > self.host_cap:
             cap = 2 * (self.mid + m)
             for name in ("host_k", "host_v"):
@@ -274,10 +401,13 @@ class IceLayer(CacheLayerMixin):
         src = self.anchor if self.anchor is not None else self
         return src.trees, src.page_version
 
-    def select(self, q: torch.Tensor) -> None:
-        """q: (H * G, d) query heads of this step; sets ``selected`` (pages per KV head)."""
-        P = self.spec.budget_pages
+    def select(self, q: torch.Tensor, pages: int | None = None) -> None:
+        """q: (H * G, d) query heads of this step (a sparse-prefill chunk: H * G * positions,
+        grouped by KV head); sets ``selected`` (at most ``pages`` pages per KV head)."""
+        P = self.spec.budget_pages if pages is None else pages
+        self.wait()
         if self.anchor is not None:
+            self.anchor.wait()
             self.selected = self.anchor.selected
             return
         if P == 0:
@@ -373,6 +503,17 @@ class IceCache(Cache):
 
     def ice_layers(self) -> list[IceLayer]:
         return [layer for layer in self.layers if isinstance(layer, IceLayer)]
+
+    def begin_prefill(self, tokens: int) -> None:
+        """The next ``tokens`` prompt tokens come in chunks: a layer whose last chunk has passed
+        can go to the host store and its index while the next layers compute."""
+        for layer in self.ice_layers():
+            layer.expect = layer.length + tokens
+
+    def end_prefill(self) -> None:
+        """Every layer offloaded and indexed (the prefill's wall time includes its index)."""
+        for layer in self.ice_layers():
+            layer.finalize_now()
 
     def device_kv_bytes(self) -> int:
         dense = sum(layer.device_bytes() for layer in self.layers if isinstance(layer, GrowingLayer))

@@ -306,12 +306,13 @@ class DCITree:
 
     def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
         self.parent[ids] = parents
-        # Pages this can create: a node without children gets ceil(c / S); any other at most
-        # one per point (a split or a first page).
-        nodes, counts = np.unique(parents, return_counts=True)
-        fresh = self.first_page[nodes] < 0
-        S = self.cfg.page_size
-        self._ensure_pages(int((-(-counts[fresh] // S)).sum() + counts[~fresh].sum()) + 1)
+        if len(ids) <= 64:  # point by point: each point makes at most one page (split or first)
+            self._ensure_pages(len(ids) + 1)
+        else:  # bulk: a node without children gets ceil(c / S); any other at most one per point
+            nodes, counts = np.unique(parents, return_counts=True)
+            fresh = self.first_page[nodes] < 0
+            S = self.cfg.page_size
+            self._ensure_pages(int((-(-counts[fresh] // S)).sum() + counts[~fresh].sum()) + 1)
         if len(ids) > 64:
             # Bulk: children of one node in projection order; a node without children gets them
             # as full pages (point-by-point insertion in sorted order would leave pages half full).

@@ -1,0 +1,158 @@
+"""Prefill of the ice cache: the pipelined offload and index build against the serial one, and
+the sparse (chunk-by-chunk page selection) prefill against full attention."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.cache import IceCache
+from icecache.cache.attention import (chunk_positions, paged_chunk_reference, paged_chunk_sdpa,
+                                      windowed_dense)
+from icecache.errors import UsageError
+from icecache.methods import make_cache, prepare_model
+
+from .test_ice_cache import full_cache, spec, tiny_model
+
+
+def chunked(model, cache, prompt, forced, chunk):
+    """Prefill ``prompt`` in chunks (announced to the cache), then feed ``forced``; logits."""
+    out = []
+    with torch.inference_mode():
+        if hasattr(cache, "begin_prefill"):
+            cache.begin_prefill(len(prompt))
+        for lo in range(0, len(prompt), chunk):
+            r = model(input_ids=torch.tensor([prompt[lo : lo + chunk]]), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1)
+        if hasattr(cache, "end_prefill"):
+            cache.end_prefill()
+        out.append(r.logits[0, -1])
+        for t in forced:
+            r = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            out.append(r.logits[0, -1])
+    return out
+
+
+def ice(model, s, dense=1, reuse=1):
+    prepare_model("ice", model)
+    return IceCache(model.config.num_hidden_layers, s, dense_layers=dense, reuse_every=reuse)
+
+
+@pytest.mark.parametrize("reuse", [1, 2])
+def test_pipelined_prefill_builds_the_same_cache_as_serial(reuse):
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(5)
+    prompt, forced = rng.integers(0, 97, 260).tolist(), rng.integers(0, 97, 25).tolist()
+    caches, logits = [], []
+    for pipeline in (True, False):
+        cache = ice(model, dataclasses.replace(spec(budget_pages=6), pipeline=pipeline), reuse=reuse)
+        logits.append(chunked(model, cache, prompt, forced, chunk=64))
+        caches.append(cache)
+    for a, b in zip(*logits, strict=True):
+        torch.testing.assert_close(a, b, atol=0, rtol=0)
+    for la, lb in zip(caches[0].ice_layers(), caches[1].ice_layers(), strict=True):
+        assert la.decoding and lb.decoding and la.keys is None
+        torch.testing.assert_close(la.res_k, lb.res_k, atol=0, rtol=0)
+        torch.testing.assert_close(la.host_k[:, : la.mid], lb.host_k[:, : lb.mid], atol=0, rtol=0)
+        if la.anchor is None:
+            for ta, tb in zip(la.trees, lb.trees, strict=True):
+                np.testing.assert_array_equal(ta.members[: ta.npages], tb.members[: tb.npages])
+    assert caches[0].stats.index_build_s > 0
+
+
+def test_prefill_finalizes_at_end_of_prefill_and_decodes_like_full():
+    model = tiny_model("qwen3", 2)
+    rng = np.random.default_rng(6)
+    prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 30).tolist()
+    ref = chunked(model, full_cache(model), prompt, forced, chunk=64)
+    got = chunked(model, ice(model, spec(budget_pages=256)), prompt, forced, chunk=64)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch,kv_heads,reuse", [("llama", 2, 1), ("llama", 2, 2), ("qwen2", 1, 1)])
+def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reuse):
+    """Each chunk selects pages; with room for every page and a dense window over the whole
+    prompt, sparse prefill computes what full attention computes, through decode evictions."""
+    model = tiny_model(arch, kv_heads)
+    rng = np.random.default_rng(7)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
+    ref = chunked(model, full_cache(model), prompt, forced, chunk=64)
+    s = dataclasses.replace(spec(budget_pages=256), sparse_prefill=True, prefill_pages=256,
+                            chunk_tokens=64, dense_window=4096)
+    s = dataclasses.replace(s, index=dataclasses.replace(s.index, beam=100_000))
+    cache = ice(model, s, reuse=reuse)
+    got = chunked(model, cache, prompt, forced, chunk=64)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
+    layer = cache.ice_layers()[0]
+    assert layer.length == 330 and layer.sink_len + layer.mid + layer.win_fill == 330
+    # after the prefill the resident buffer shrank to the decode pool and one page of slack
+    assert layer.win_cap == s.window_tokens + s.page_size
+    assert layer.L == s.sink_tokens + 256 * 4 + layer.win_cap
+
+
+def test_sparse_prefill_memory_stays_bounded():
+    """A small budget: the resident buffer is fixed while the host store takes the document."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(8)
+    s = dataclasses.replace(spec(budget_pages=4), sparse_prefill=True, prefill_pages=8,
+                            chunk_tokens=32, dense_window=64)
+    cache = ice(model, s)
+    sizes = []
+    with torch.inference_mode():
+        cache.begin_prefill(640)
+        for lo in range(0, 640, 32):
+            model(input_ids=torch.tensor([rng.integers(0, 97, 32).tolist()]), past_key_values=cache,
+                  use_cache=True, logits_to_keep=1)
+            if lo >= 64:
+                sizes.append(sum(layer.device_bytes() for layer in cache.ice_layers()))
+        cache.end_prefill()
+    assert len(set(sizes)) == 1  # resident bytes do not grow with the prompt
+    layer = cache.ice_layers()[0]
+    assert layer.mid >= 640 - 8 - 8 - 32 and cache.host_kv_bytes() > 0
+    assert sum(len(t.members[: t.npages]) for t in layer.trees) > 0
+
+
+def test_chunk_attention_sdpa_matches_reference():
+    torch.manual_seed(1)
+    H, G, C, L, d = 2, 3, 5, 30, 8
+    q = torch.randn(H, G, C, d)
+    k, v = torch.randn(H, L, d), torch.randn(H, L, d)
+    valid = torch.rand(H, L) > 0.3
+    valid[:, 20:25] = True  # the chunk's rows
+    got = paged_chunk_sdpa(q, k, v, valid, 20, 0.3)
+    torch.testing.assert_close(got, paged_chunk_reference(q, k, v, valid, 20, 0.3), atol=1e-5, rtol=1e-5)
+    # query 0 of the chunk cannot see the chunk's later rows
+    k2 = k.clone()
+    k2[:, 21:25] = 1e3
+    torch.testing.assert_close(paged_chunk_sdpa(q, k2, v, valid, 20, 0.3)[:, :, 0], got[:, :, 0],
+                               atol=1e-5, rtol=1e-5)
+    assert chunk_positions(2048, 8).tolist()[-1] == 2047 and len(chunk_positions(2048, 8)) == 8
+    assert chunk_positions(3, 8).tolist() == [0, 1, 2]
+
+
+def test_windowed_dense_matches_masked_full_attention():
+    torch.manual_seed(2)
+    n, C, d, sink, window = 50, 6, 8, 4, 10
+    q = torch.randn(1, 4, C, d)
+    k, v = torch.randn(1, 2, n, d), torch.randn(1, 2, n, d)
+    got = windowed_dense(q, k, v, sink, window, 0.5)
+    kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
+    pos_q = torch.arange(n - C, n)[:, None]
+    pos_k = torch.arange(n)[None, :]
+    mask = (pos_k < sink) | ((pos_k >= n - C - window) & (pos_k <= pos_q))
+    scores = (q @ kk.transpose(-1, -2)) * 0.5
+    ref = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1) @ vv
+    torch.testing.assert_close(got, ref.transpose(1, 2), atol=1e-5, rtol=1e-5)
+    assert windowed_dense(q, k, v, sink, 40, 0.5) is None  # everything fits: plain attention
+
+
+def test_sparse_prefill_refused_for_methods_without_pages(cpu_settings, loaded):
+    with pytest.raises(UsageError, match="--prefill sparse"):
+        make_cache("full", loaded.model, cpu_settings.replace(prefill="sparse"))
+    with pytest.raises(UsageError, match="--prefill sparse"):
+        make_cache("snapkv", loaded.model, cpu_settings.replace(prefill="sparse"))
