@@ -10,8 +10,7 @@ import pytest
 import torch
 
 from icecache.cache import IceCache
-from icecache.cache.attention import (chunk_positions, paged_chunk_reference, paged_chunk_sdpa,
-                                      windowed_dense)
+from icecache.cache.attention import chunk_positions, paged_chunk_reference, paged_chunk_sdpa, windowed_dense
 from icecache.errors import UsageError
 from icecache.methods import make_cache, prepare_model
 

@@ -51,7 +51,6 @@ def paged_chunk_reference(q, k, v, valid, chunk_at, scaling):
     valid (H, L). Query t sees the valid rows before the chunk and chunk rows up to its own.
     """
     H, G, C, d = q.shape
-    L = k.shape[1]
     mask = chunk_mask(valid, chunk_at, C)  # (H, C, L)
     scores = torch.einsum("hgcd,hld->hgcl", q.float(), k.float()) * scaling
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
