@@ -34,6 +34,7 @@ class TaskResult:
     answer: str | None = None  # cot only
     questions: list[str] | None = None  # qa only
     stats: list[GenerationStats] = field(default_factory=list)
+    memory: dict = field(default_factory=dict)  # peak RSS, resident and host KV bytes
 
     def to_json(self) -> dict:
         d = {
@@ -46,6 +47,8 @@ class TaskResult:
             "budget": self.budget,
             "seconds": round(self.seconds, 3),
         }
+        if self.memory:
+            d["memory"] = self.memory
         if self.task == "cot":
             d["answer"] = self.answer
         if self.task == "qa":

@@ -10,11 +10,20 @@ from __future__ import annotations
 import contextlib
 import os
 import sys
+import time
 from collections.abc import Iterator
 
 import typer
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    ProgressColumn,
+    TextColumn,
+    TimeRemainingColumn,
+)
+from rich.text import Text
 
 from icecache.errors import IceCacheError
 
@@ -51,14 +60,29 @@ def user_errors() -> Iterator[None]:
         raise typer.Exit(exc.exit_code) from None
 
 
+class RateColumn(ProgressColumn):
+    """Tokens per second of a task, once rich has measured a speed."""
+
+    def render(self, task) -> Text:
+        speed = task.finished_speed or task.speed
+        return Text(f"{speed:,.0f} tok/s" if speed else "", style="progress.data.speed")
+
+
 class Reporter:
-    """Progress and status on stderr."""
+    """Progress and status on stderr.
+
+    On a terminal, a live bar per phase (tokens done / total, tokens per second, time left). On
+    any other stderr (a log file, a pipeline), a plain line at most every ``every`` seconds.
+    """
+
+    every = 10.0
 
     def __init__(self, quiet: bool = False):
         self.quiet = quiet
         self.live = not quiet and stderr.is_terminal
         self._progress: Progress | None = None
         self._tasks: dict[str, int] = {}
+        self._plain: dict[str, tuple[float, float]] = {}  # phase -> (started, last line)
 
     def info(self, message: str) -> None:
         if not self.quiet:
@@ -69,7 +93,10 @@ class Reporter:
             stderr.print(f"icecache: warning: {message}", markup=False, soft_wrap=True)
 
     def progress(self, phase: str, done: int, total: int) -> None:
+        if self.quiet:
+            return
         if not self.live:
+            self._plain_line(phase, done, total)
             return
         if self._progress is None:
             self._progress = Progress(
@@ -77,6 +104,7 @@ class Reporter:
                 BarColumn(),
                 MofNCompleteColumn(),
                 TextColumn("tokens"),
+                RateColumn(),
                 TimeRemainingColumn(),
                 console=stderr,
                 transient=True,
@@ -87,6 +115,17 @@ class Reporter:
         if phase not in self._tasks:
             self._tasks[phase] = self._progress.add_task(phase, total=total)
         self._progress.update(self._tasks[phase], completed=done, total=total)
+
+    def _plain_line(self, phase: str, done: int, total: int) -> None:
+        now = time.monotonic()
+        started, last = self._plain.setdefault(phase, (now, now))
+        if now - last < self.every or done <= 0:
+            return
+        self._plain[phase] = (started, now)
+        rate = done / max(now - started, 1e-9)
+        eta = (total - done) / rate if rate > 0 else 0.0
+        stderr.print(f"{phase}: {done}/{total} tokens, {rate:,.0f} tokens/s, about {eta:.0f} s left",
+                     style="dim", markup=False, soft_wrap=True)
 
     def close(self) -> None:
         if self._progress is not None:

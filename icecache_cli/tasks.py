@@ -12,7 +12,7 @@ import typer
 
 from icecache.config import resolve_settings
 from icecache.documents import read_document
-from icecache.methods import check_method
+from icecache.methods import check_method, check_prefill
 from icecache.models import check_device, load_model
 from icecache.tasks import SUMMARY_REPETITION_PENALTY, Runner, TaskResult
 
@@ -38,6 +38,18 @@ BudgetOpt = Annotated[
 ReuseOpt = Annotated[
     int | None,
     typer.Option("--reuse-every", min=1, help="ice-reuse: one layer in N queries its index, the next N-1 reuse its pages. Default: the profile's (3).", show_default=False),
+]
+PrefillOpt = Annotated[
+    str | None,
+    typer.Option("--prefill", help="full: each chunk attends to everything before it; sparse: to the sink, the pages the index selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest). Default: the profile's (full).", show_default=False),
+]
+ChunkOpt = Annotated[
+    int | None,
+    typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk (a multiple of the page size). Default: the profile's.", show_default=False),
+]
+PipelineOpt = Annotated[
+    bool | None,
+    typer.Option("--pipeline/--no-pipeline", help="Offload and index each layer in the background while the next computes. Default: the profile's (on).", show_default=False),
 ]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
@@ -77,14 +89,15 @@ def run_task(
     as_json: bool,
     quiet: bool,
     job: Callable[[Runner, str, Reporter], TaskResult],
-    reuse_every: int | None = None,
+    flags: dict | None = None,
 ) -> None:
     """Shared flow: validate settings, read the input, load the model, run, print."""
     with user_errors(), Reporter(quiet) as reporter:
         source = _input_source(file)
-        settings = resolve_settings(profile, budget=budget, reuse_every=reuse_every)
+        settings = resolve_settings(profile, budget=budget, **(flags or {}))
         check_device(settings)
         check_method(method)
+        check_prefill(method, settings)
         text = read_document(source)
         _set_threads(settings.cpu_threads, reporter)
         loaded = load_model(model, settings, log=reporter.info)
@@ -101,14 +114,36 @@ def run_task(
                 f"{d['query_ms_per_step']:.1f} ms, loading {d['load_ms_per_step']:.1f} ms, attention "
                 f"{d['attention_ms_per_step']:.1f} ms per step; index built in {d['index_build_s']:.2f} s")
         for s in result.stats:
+            rate = s.tokens_prefilled / s.prefill_seconds if s.prefill_seconds else 0.0
             reporter.info(
-                f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s; "
+                f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s "
+                f"({rate:.0f} tokens/s, {settings.prefill} prefill); "
                 f"{s.tokens_out} new tokens at {s.ms_per_token:.1f} ms/token"
             )
+        mem = memory_figures(runner.session.cache)
+        result.memory = mem
+        reporter.info(
+            f"memory: peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; resident KV "
+            f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
     if as_json:
         emit(json.dumps(result.to_json(), ensure_ascii=False))
     else:
         emit(render_text(result))
+
+
+def memory_figures(cache) -> dict:
+    """Peak process RSS and the cache's resident (device pool + dense layers) and host bytes."""
+    import resource
+
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+    dev = host = 0
+    if cache is not None and hasattr(cache, "device_kv_bytes"):
+        dev = cache.device_kv_bytes()
+        host = cache.host_kv_bytes() if hasattr(cache, "host_kv_bytes") else 0
+    elif cache is not None:
+        dev = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
+                  if getattr(layer, "keys", None) is not None)
+    return {"peak_rss_bytes": int(peak), "device_kv_bytes": int(dev), "host_kv_bytes": int(host)}
 
 
 def render_text(result: TaskResult) -> str:
@@ -129,13 +164,17 @@ def summarize(
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
     reuse_every: ReuseOpt = None,
+    prefill: PrefillOpt = None,
+    chunk_size: ChunkOpt = None,
+    pipeline: PipelineOpt = None,
     repetition_penalty: _penalty_opt(SUMMARY_REPETITION_PENALTY) = SUMMARY_REPETITION_PENALTY,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Summarize a document."""
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)
+             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty),
+             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline))
 
 
 def qa(
@@ -147,6 +186,9 @@ def qa(
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
     reuse_every: ReuseOpt = None,
+    prefill: PrefillOpt = None,
+    chunk_size: ChunkOpt = None,
+    pipeline: PipelineOpt = None,
     repetition_penalty: _penalty_opt(1.0) = 1.0,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
@@ -155,7 +197,8 @@ def qa(
     if not question:
         raise typer.BadParameter("give at least one question with -q/--question", param_hint="'-q'")
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)
+             lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty),
+             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline))
 
 
 def cot(
@@ -166,10 +209,14 @@ def cot(
     method: MethodOpt = "full",
     budget: BudgetOpt = None,
     reuse_every: ReuseOpt = None,
+    prefill: PrefillOpt = None,
+    chunk_size: ChunkOpt = None,
+    pipeline: PipelineOpt = None,
     repetition_penalty: _penalty_opt(1.0) = 1.0,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
 ) -> None:
     """Reason step by step over a problem; the last line is the extracted final answer."""
     run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty), reuse_every=reuse_every)
+             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty),
+             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline))

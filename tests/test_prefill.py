@@ -155,3 +155,42 @@ def test_sparse_prefill_refused_for_methods_without_pages(cpu_settings, loaded):
         make_cache("full", loaded.model, cpu_settings.replace(prefill="sparse"))
     with pytest.raises(UsageError, match="--prefill sparse"):
         make_cache("snapkv", loaded.model, cpu_settings.replace(prefill="sparse"))
+
+
+def test_sparse_prefill_passkey_like_full_prefill(cpu_settings, loaded):
+    """The embedded model, ~1.5k tokens in chunks of 256: the sparse prefill (each chunk attends to
+    64 selected pages' worth of 256 tokens, dense layers to the last 512) finds the passkey
+    where the full prefill does; streaming's sparse prefill (no pages) is the failing control."""
+    from icecache.evals import passkey
+    from icecache.generation import Session
+
+    tok = loaded.tokenizer
+    base = cpu_settings.replace(chunk_size=256, budget=64)
+    sparse = base.replace(prefill="sparse", prefill_budget=256, dense_window=512)
+    results = {}
+    for name, method, settings in [("full", "ice", base), ("sparse", "ice", sparse),
+                                   ("streaming", "streaming", sparse)]:
+        for case in passkey.cases(tok, 1500, 3, seed=5):  # depths 0, 0.5, 1
+            out, stats = Session(loaded, settings, method).generate(tok(case.prompt)["input_ids"], 7)
+            results.setdefault(name, []).append(passkey.score(tok.decode(out), case.answer))
+    assert results["full"] == [1.0, 1.0, 1.0]
+    assert results["sparse"] == results["full"]
+    assert results["streaming"][1] == 0.0
+
+
+def test_cli_sparse_prefill_json_memory_and_refusal():
+    import json
+
+    from .conftest import EXAMPLE, run_cli
+
+    r = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--prefill", "sparse", "--chunk-size",
+                 "256", "--budget", "64", "--max-new-tokens", "8", "--json"])
+    assert r.returncode == 0, r.stderr.decode()
+    doc = json.loads(r.stdout)
+    mem = doc["memory"]
+    assert mem["peak_rss_bytes"] > 0 and mem["host_kv_bytes"] > 0 and mem["device_kv_bytes"] > 0
+    assert "sparse prefill" in r.stderr.decode() and "peak RSS" in r.stderr.decode()
+    bad = run_cli(["summarize", str(EXAMPLE), "--prefill", "sparse"])  # method full
+    assert bad.returncode == 2 and "--prefill sparse works with" in bad.stderr.decode()
+    bad = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--prefill", "half"])
+    assert bad.returncode == 2 and "--prefill must be one of full, sparse" in bad.stderr.decode()

@@ -410,7 +410,7 @@ class IceLayer(CacheLayerMixin):
             self.anchor.wait()
             self.selected = self.anchor.selected
             return
-        if P == 0:
+        if P == 0 or self.spec.budget_pages == 0:
             return  # streaming: sink and window only
         t0 = time.perf_counter()
         G = q.shape[0] // self.H
