@@ -26,6 +26,8 @@ def evaluate(
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="fidelity: tokens full generates per document.")] = 160,
     data: Annotated[str | None, typer.Option("--data", help="gsm8k: JSONL of GSM8K problems (question, answer with '#### N'); longbench: JSONL of context, question, answers.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for results.jsonl and config.json; a rerun resumes.", show_default=False)] = None,
+    prefill: Annotated[str | None, typer.Option("--prefill", help="full (one shared prefill per case) or sparse (each method's own sparse prefill; ice, ice-reuse, streaming, quest). Default: the profile's.", show_default=False)] = None,
+    chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk. Default: the profile's.", show_default=False)] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,
@@ -33,7 +35,7 @@ def evaluate(
 ) -> None:
     """Score methods on locally generated tasks (no downloads)."""
     from icecache.evals import runner
-    from icecache.methods import check_method
+    from icecache.methods import check_method, check_prefill
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:
@@ -42,7 +44,9 @@ def evaluate(
             if t not in runner.TASKS:
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
-        settings = resolve_settings(profile)
+        settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size)
+        for m in method_list:
+            check_prefill(m, settings)
         budget_list = []
         for b in budgets.split(","):
             if not b.strip():

@@ -85,6 +85,9 @@ def test_check_resumable(tmp_path):
                              "score": 1.0, "n": 10})
     runner.check_resumable(tmp_path, cfg | {"tasks": ["passkey", "vt"]})  # more cells: fine
     runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 64, "index_beam": 32}})
+    # a setting added by a later version: absent from the old file, not compared
+    runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 32,
+                                                         "prefill": "full"}})
     with pytest.raises(UsageError, match="seed 0, not 1"):
         runner.check_resumable(tmp_path, cfg | {"seed": 1})
     with pytest.raises(UsageError, match="other settings \\(index_beam\\)"):

@@ -136,8 +136,12 @@ class Evaluator:
         settings = _settings(self.settings, cell)
         scores = []
         for i, case in enumerate(cases):
-            pre = self._prefilled(cell, i, tok(case.prompt)["input_ids"])
-            out, _ = Session(self.loaded, settings, cell.method).generate_from(pre, new_tokens)
+            ids = tok(case.prompt)["input_ids"]
+            session = Session(self.loaded, settings, cell.method)
+            if settings.prefill == "sparse":  # each method's own (sparse) prefill
+                out, _ = session.generate(ids, new_tokens)
+            else:
+                out, _ = session.generate_from(self._prefilled(cell, i, ids), new_tokens)
             scores.append(score(tok.decode(out), case))
         return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
 
@@ -180,9 +184,9 @@ def check_resumable(out: Path, config: dict) -> None:
     for key in CASE_KEYS:
         a, b = old.get(key), new.get(key)
         if key == "settings" and isinstance(a, dict) and isinstance(b, dict):
-            a = {k: v for k, v in a.items() if k != "budget"}  # the budget is part of each cell
-            b = {k: v for k, v in b.items() if k != "budget"}
-            diff = sorted(k for k in set(a) | set(b) if a.get(k) != b.get(k))
+            # The budget is part of each cell; settings added by a later version (absent from
+            # an older run's file) take their defaults and are not compared.
+            diff = sorted(k for k in set(a) & set(b) if k != "budget" and a[k] != b[k])
             if diff:
                 raise UsageError(f"--out: {out} holds results made with other settings "
                                  f"({', '.join(diff)}); use another --out to keep both")

@@ -1,0 +1,103 @@
+"""``icecache bench prefill``: prefill wall time, throughput and memory per prefill mode.
+
+Modes (all on generated text of ``ctx`` tokens, in the profile's chunks):
+
+- ``full``: transformers' dense cache and attention (the baseline);
+- ``ice``: the same full-attention prefill into the ice cache, each layer offloaded and indexed
+  in the background as soon as the prompt's last chunk has passed it (pipelined);
+- ``ice-serial``: the same with the offload and index build after the prefill;
+- ``sparse``: sparse prefill (chunks attend to sink + selected pages + window; evicted chunks
+  indexed in the background), ``sparse-serial`` without the background worker.
+
+The time of an ice mode includes its index: the prefill ends when every layer is offloaded and
+indexed. Peak RSS is sampled every 20 ms while the mode runs.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import asdict, dataclass
+
+MODES = {
+    "full": ("full", {}),
+    "dense": ("dense", {}),
+    "ice": ("ice", {"pipeline": True, "prefill": "full"}),
+    "ice-serial": ("ice", {"pipeline": False, "prefill": "full"}),
+    "sparse": ("ice", {"pipeline": True, "prefill": "sparse"}),
+    "sparse-serial": ("ice", {"pipeline": False, "prefill": "sparse"}),
+}
+
+
+@dataclass
+class PrefillResult:
+    mode: str
+    ctx: int
+    seconds: float
+    tokens_per_s: float
+    index_build_s: float
+    index_insert_s: float
+    device_kv_bytes: int
+    host_kv_bytes: int
+    peak_rss_bytes: int
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def rss_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakRss:
+    """The largest resident set size seen while the ``with`` block runs (sampled)."""
+
+    def __init__(self, every: float = 0.02):
+        self.every, self.peak = every, 0
+        self._stop = threading.Event()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, rss_bytes())
+            self._stop.wait(self.every)
+
+    def __enter__(self) -> PeakRss:
+        self.peak = rss_bytes()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, rss_bytes())
+
+
+def run(loaded, settings, mode: str, ids: list[int], on_progress=None) -> PrefillResult:
+    import gc
+
+    import torch
+
+    from ..bench.decode_bench import kv_bytes
+    from ..generation import Session
+
+    method, changes = MODES[mode]
+    s = settings.replace(**changes)
+    session = Session(loaded, s, method)
+    gc.collect()
+    with PeakRss() as peak, torch.inference_mode():
+        t0 = time.perf_counter()
+        _, stats = session.generate(ids, 1, on_progress=on_progress)
+        seconds = time.perf_counter() - t0
+    dev, host, _ = kv_bytes(session.cache, s.dense_layers)
+    st = getattr(session.cache, "stats", None)
+    result = PrefillResult(
+        mode=mode, ctx=len(ids), seconds=stats.prefill_seconds,
+        tokens_per_s=len(ids) / stats.prefill_seconds, index_build_s=st.index_build_s if st else 0.0,
+        index_insert_s=st.index_insert_s if st else 0.0, device_kv_bytes=dev, host_kv_bytes=host,
+        peak_rss_bytes=peak.peak)
+    del session
+    gc.collect()
+    return result
