@@ -269,6 +269,24 @@ def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, PX, level
     return scratch_ids[:kept][order].copy(), scratch_scores[:kept][order].copy()
 
 
+@njit(nogil=True, cache=True)
+def parents_by_tree(X, ids, u, top_level, target_level, beam, visit_frac, PX, level, first_page,
+                    next_page, members, count, lo, hi, node_size, scratch_ids, scratch_scores, out):
+    """Parent search for many points in one call: ``query_tree`` down to ``target_level`` with
+    each point's transformed key, the nearest found there + 1 (a node id) in ``out`` (0, the
+    root, when that level is empty)."""
+    D = X.shape[1]
+    for j in range(ids.shape[0]):
+        v = X[ids[j]]
+        vp = np.float32(0.0)
+        for c in range(D):
+            vp += v[c] * u[c]
+        got, _ = query_tree(v, vp, top_level, target_level, 1, beam, visit_frac, PX, level,
+                            first_page, next_page, members, count, lo, hi, node_size,
+                            scratch_ids, scratch_scores)
+        out[j] = got[0] + 1 if got.shape[0] else 0
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def nearest_among(X, ids, cand, out):
     """For each point ``ids[j]``, the ``cand`` point of largest ``<x_i, x_c>`` (exact), in ``out``.

@@ -26,6 +26,7 @@ import numpy as np
 from . import kernels
 
 MAX_LEVELS = 12
+EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
 
 
 @dataclass(frozen=True)
@@ -267,7 +268,10 @@ class DCITree:
         cand = self._level_ids(up)
         few = len(ids) <= 256  # single inserts: exact only over a small level
         limit = self.cfg.exact_parent_max if not few else min(self.cfg.exact_parent_max, 512)
-        if len(cand) <= limit or up == self.top_level:
+        # A batch (an evicted prefill chunk) against a larger level: exact through one matrix
+        # product while that stays about a GFLOP (cheaper than a tree walk per point, and exact).
+        batch = not few and len(cand) * len(ids) <= EXACT_PARENT_PAIRS
+        if len(cand) <= limit or up == self.top_level or batch:
             out = np.empty(len(ids), np.int32)
             if few:
                 kernels.nearest_among(self.X, ids.astype(np.int32), cand, out)
@@ -279,29 +283,10 @@ class DCITree:
             return out
         out = np.empty(len(ids), np.int32)
         sid, ssc = self._scratch()
-        for j, i in enumerate(ids):
-            v = self.X[i]
-            got, _ = kernels.query_tree(
-                v,
-                np.float32(v @ self.u),
-                self.top_level,
-                up,
-                1,
-                self.cfg.parent_beam,
-                self.cfg.visit_frac,
-                self.PX,
-                self.level,
-                self.first_page,
-                self.next_page,
-                self.members,
-                self.count,
-                self.lo,
-                self.hi,
-                self.node_size,
-                sid,
-                ssc,
-            )
-            out[j] = got[0] + 1 if len(got) else 0
+        kernels.parents_by_tree(
+            self.X, ids.astype(np.int32), self.u, self.top_level, up, self.cfg.parent_beam,
+            self.cfg.visit_frac, self.PX, self.level, self.first_page, self.next_page, self.members,
+            self.count, self.lo, self.hi, self.node_size, sid, ssc, out)
         return out
 
     def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
