@@ -6,6 +6,7 @@ Each returns a :class:`TaskResult` with the text, token counts and timing; the C
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,14 +65,30 @@ class Runner:
         self.settings = settings
         self.method = check_method(method)
         self.session = Session(loaded, settings, method)
+        self.warn: Callable[[str], None] | None = None  # where warnings go (the CLI's stderr)
 
     @property
     def context_limit(self) -> int:
+        """Prompt + generation tokens a run may hold: the model's trained context, or with a
+        sparse prefill (whose cost does not grow with the prompt) the profile's ``max_context``."""
+        if self.settings.prefill == "sparse":
+            return self.settings.max_context
         return min(self.loaded.context_length, self.settings.max_context)
+
+    def beyond_trained(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
+        """A warning when a (sparse-prefill) run goes past the positions the model was trained on."""
+        total = prompt_tokens + max_new_tokens
+        if total <= self.loaded.context_length:
+            return None
+        return (f"{total} tokens go past the {self.loaded.context_length} positions "
+                f"{self.loaded.name} was trained on; expect weaker output there")
 
     def _check_fits(self, ids: list[int], document: str, max_new_tokens: int) -> None:
         limit = self.context_limit
         if len(ids) + max_new_tokens <= limit:
+            warning = self.beyond_trained(len(ids), max_new_tokens)
+            if warning and self.warn:
+                self.warn(warning)
             return
         doc_tokens = len(self.loaded.tokenizer(document)["input_ids"])
         raise InputError(

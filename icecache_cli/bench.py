@@ -168,6 +168,9 @@ def prefill(
         settings = resolve_settings(profile, budget=budget, chunk_size=chunk_size)
         loaded = load_model(model, settings, log=rep.info)
         results, first_rate = [], {}
+        rep.info("warming up (kernels compile on first use) ...")
+        prefill_bench.warm_up(loaded, settings, mode_list,
+                              context_ids(loaded.tokenizer, 2 * settings.chunk_size + 100))
         for n in sizes:
             ids = context_ids(loaded.tokenizer, n)
             base = None

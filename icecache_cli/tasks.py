@@ -103,6 +103,7 @@ def run_task(
         loaded = load_model(model, settings, log=reporter.info)
         reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
         runner = Runner(loaded, settings, method)
+        runner.warn = reporter.warn
         result = job(runner, text, reporter)
         reporter.close()
         stats = getattr(runner.session.cache, "stats", None)

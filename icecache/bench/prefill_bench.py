@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from dataclasses import asdict, dataclass
 
 MODES = {
@@ -88,9 +87,7 @@ def run(loaded, settings, mode: str, ids: list[int], on_progress=None) -> Prefil
     session = Session(loaded, s, method)
     gc.collect()
     with PeakRss() as peak, torch.inference_mode():
-        t0 = time.perf_counter()
         _, stats = session.generate(ids, 1, on_progress=on_progress)
-        seconds = time.perf_counter() - t0
     dev, host, _ = kv_bytes(session.cache, s.dense_layers)
     st = getattr(session.cache, "stats", None)
     result = PrefillResult(
@@ -101,3 +98,9 @@ def run(loaded, settings, mode: str, ids: list[int], on_progress=None) -> Prefil
     del session
     gc.collect()
     return result
+
+
+def warm_up(loaded, settings, modes, ids: list[int]) -> None:
+    """Each mode once on a short prompt, untimed (numba compiles its kernels on first use)."""
+    for mode in modes:
+        run(loaded, settings, mode, ids)
