@@ -172,6 +172,13 @@ class Session:
         answer may need to quote) less likely: positive logits are divided by it, negative ones
         multiplied. Decoding stays deterministic.
         """
+        logits, stats = self.prefill(ids, on_progress)
+        return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
+
+    @torch.inference_mode()
+    def prefill(self, ids: list[int], on_progress: Progress | None = None):
+        """Bring the cache to prompt ``ids`` (reusing a cached prefix where it can); return the
+        logits at the last prompt position and the stats so far."""
         if not ids:
             raise ValueError("empty prompt")
         stats = GenerationStats(tokens_in=len(ids))
@@ -189,7 +196,7 @@ class Session:
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0
-        return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
+        return logits, stats
 
     def _decode(self, logits, max_new_tokens: int, stats: GenerationStats,
                 on_progress: Progress | None, repetition_penalty: float):

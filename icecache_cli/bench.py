@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from pathlib import Path
 from typing import Annotated
 
 import typer
@@ -14,7 +15,89 @@ from icecache.errors import UsageError
 
 from .output import Reporter, emit, stderr, user_errors
 
-bench_app = typer.Typer(help="Benchmarks (figures on stderr; --json: one JSON line on stdout).", no_args_is_help=True)
+bench_app = typer.Typer(
+    help="Benchmarks (figures on stderr; --json: one JSON line on stdout). `icecache bench --ctx "
+         "8k,32k --methods full,dense,ice` measures the methods end to end; the subcommands "
+         "measure one part.",
+    no_args_is_help=True, invoke_without_command=True)
+
+
+@bench_app.callback()
+def bench_main(
+    context: typer.Context,
+    ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
+    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present).")] = "full,dense,ice,ice-reuse,quest",
+    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None,
+    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps).")] = 16,
+    full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
+    max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl.", show_default=False)] = None,
+    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
+    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+) -> None:
+    """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method."""
+    if context.invoked_subcommand is not None:
+        return
+    if ctx is None:
+        typer.echo(context.get_help(), err=True)
+        raise typer.Exit(2)
+    from icecache.bench import full_bench
+    from icecache.methods import check_method
+    from icecache.models import load_model
+
+    with user_errors(), Reporter(quiet) as rep:
+        sizes = [parse_size(x) for x in ctx.split(",") if x.strip()]
+        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
+        if not method_list:
+            raise UsageError("--methods: give at least one method")
+        settings = resolve_settings(profile, budget=budget)
+        limit = parse_size(full_prefill_max)
+        if out is not None:
+            if out.exists() and not out.is_dir():
+                raise UsageError(f"--out: {out} exists and is not a folder")
+            out.mkdir(parents=True, exist_ok=True)
+            (out / "config.json").write_text(json.dumps({
+                "ctx": sizes, "methods": method_list, "decode_steps": steps, "full_prefill_max": limit,
+                "max_seconds": max_seconds, "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
+        loaded = load_model(model, settings, log=rep.info)
+        results = []
+        for n in sizes:
+            rows = full_bench.run_ctx(loaded, settings, method_list, n, steps=steps,
+                                      full_prefill_max=limit, max_seconds=max_seconds, log=rep.info,
+                                      on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None)
+            rep.close()
+            for r in rows:
+                results.append(r.as_dict())
+                if out is not None:
+                    with open(out / "results.jsonl", "a") as f:
+                        f.write(json.dumps(r.as_dict()) + "\n")
+            if not quiet:
+                print_bench_table(rows, n)
+        if as_json:
+            emit(json.dumps({"results": results}))
+
+
+def print_bench_table(rows, n: int) -> None:
+    t = Table(title=f"icecache bench: {n} tokens", box=None)
+    for c in ("method", "status", "TT2T s", "prefill tok/s", "TPOT ms", "p90 ms", "vs full",
+              "vs dense", "query/load/attn/rest ms", "resident KV MiB", "host KV MiB", "peak RSS GiB", "KV from"):
+        t.add_column(c)
+
+    def f(x, fmt):
+        return "-" if x is None else format(x, fmt)
+
+    for r in rows:
+        b = r.breakdown_ms
+        parts = "/".join(f"{b[k]:.1f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
+        t.add_row(r.method, r.status + (f" ({r.reason})" if r.reason else ""), f(r.tt2t_s, ".1f"),
+                  f(r.prefill_tok_s, ".0f"), f(r.tpot_ms, ".1f"), f(r.tpot_p90_ms, ".1f"),
+                  f(r.tpot_ratio_vs_full, ".2f"), f(r.tpot_ratio_vs_dense, ".2f"), parts,
+                  f(r.device_kv_bytes and r.device_kv_bytes / 2**20, ".1f"),
+                  f(r.host_kv_bytes is not None and r.host_kv_bytes / 2**20 or None, ".1f"),
+                  f(r.peak_rss_bytes and r.peak_rss_bytes / 2**30, ".2f"), r.kv_source)
+    stderr.print(t)
 
 
 def parse_size(text: str) -> int:

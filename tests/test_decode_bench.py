@@ -18,3 +18,30 @@ def test_decode_bench_shared_prefill(loaded, cpu_settings):
     assert full.device_kv_bytes_sparse_layers == 28 * 404 * per_token_layer  # prompt + 2 warm-up + 2 timed
     assert ice.host_kv_bytes > 0 and full.host_kv_bytes == 0
     assert set(ice.breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
+
+
+def test_bench_command_both_kv_routes(tmp_path):
+    """`icecache bench --ctx`: a context under --full-prefill-max from the shared full prefill,
+    one over it from the ice sparse prefill; every row measured, ratios to full and dense."""
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "--ctx", "300,700", "--methods", "full,dense,ice", "--decode-steps", "2",
+                 "--full-prefill-max", "400", "--budget", "64", "--out", str(tmp_path), "--json"])
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [(x["method"], x["ctx"]) for x in rows] == [
+        (m, n) for n in (300, 700) for m in ("full", "dense", "ice")]
+    for x in rows:
+        assert x["status"] == "ok" and x["tpot_ms"] > 0 and x["tt2t_s"] > 0 and x["peak_rss_bytes"] > 0
+        assert x["tpot_ratio_vs_full"] > 0 and x["tpot_ratio_vs_dense"] > 0
+    assert {x["kv_source"] for x in rows if x["ctx"] == 300} == {"full prefill (shared)"}
+    assert [x["kv_source"] for x in rows if x["ctx"] == 700] == [
+        "sparse prefill (ice)", "sparse prefill (ice)", "own sparse prefill"]
+    ice = [x for x in rows if x["method"] == "ice"]
+    assert all(x["host_kv_bytes"] > 0 and set(x["breakdown_ms"]) >= {"index_query", "rest_of_model"}
+               for x in ice)
+    assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
+    capped = run_cli(["bench", "--ctx", "300", "--methods", "full", "--max-seconds", "0"])
+    assert capped.returncode == 0 and "over time cap" in capped.stderr.decode()

@@ -194,3 +194,14 @@ def test_cli_sparse_prefill_json_memory_and_refusal():
     assert bad.returncode == 2 and "--prefill sparse works with" in bad.stderr.decode()
     bad = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--prefill", "half"])
     assert bad.returncode == 2 and "--prefill must be one of full, sparse" in bad.stderr.decode()
+
+
+def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
+    from icecache.tasks import Runner
+
+    full = Runner(loaded, cpu_settings, "ice")
+    assert full.context_limit == loaded.context_length  # 8192 for the embedded model
+    sparse = Runner(loaded, cpu_settings.replace(prefill="sparse"), "ice")
+    assert sparse.context_limit == cpu_settings.max_context > loaded.context_length
+    assert sparse.beyond_trained(100, 10) is None
+    assert "trained on" in sparse.beyond_trained(loaded.context_length, 10)

@@ -1,0 +1,148 @@
+"""``icecache bench --ctx ...``: per method and context, in one run, the figures users compare.
+
+Each context's document is generated text run through the model's real prefill:
+
+- up to ``full_prefill_max`` tokens, one full-attention prefill shared by every method (each
+  starts from a copy of its keys and values; every method's own prefill would compute the same);
+- beyond it, the ``ice`` sparse prefill (``--prefill sparse``): ``ice`` decodes from its own
+  cache, and the other methods from the dense keys and values rebuilt from it (sink + host
+  store + window, in token order), labelled ``kv_source: sparse prefill`` (dense decode time
+  does not depend on the values).
+
+Per method: time to the second token (the prefill + the first decode step, index build
+included), prefill tokens/s, time per output token (median and p90 over the timed steps after
+warm-up), the per-token breakdown, resident and host KV bytes, peak RSS (sampled) and the ratio
+of every TPOT to ``full``'s and ``dense``'s at the same context. A method that fails (out of
+memory) or whose decode step is over ``max_seconds`` is reported with its reason, and the bench
+goes on.
+"""
+
+from __future__ import annotations
+
+import gc
+import time
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from ..generation import Prefilled, Session, prefill_once
+from .decode_bench import context_ids, time_decode
+from .prefill_bench import PeakRss
+
+
+@dataclass
+class BenchRow:
+    method: str
+    ctx: int
+    status: str = "ok"  # ok | out of memory | over time cap | error
+    reason: str = ""
+    kv_source: str = ""
+    tt2t_s: float | None = None
+    prefill_tok_s: float | None = None
+    tpot_ms: float | None = None
+    tpot_p90_ms: float | None = None
+    device_kv_bytes: int | None = None
+    host_kv_bytes: int | None = None
+    peak_rss_bytes: int | None = None
+    breakdown_ms: dict = field(default_factory=dict)
+    tpot_ratio_vs_full: float | None = None
+    tpot_ratio_vs_dense: float | None = None
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+
+def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Every layer's keys and values (1, H, T, d) in token order, rebuilt from an ice cache."""
+    from ..cache import GrowingLayer, IceLayer
+
+    out = []
+    for layer in cache.layers:
+        if isinstance(layer, GrowingLayer):
+            out.append((layer.keys.clone(), layer.values.clone()))
+            continue
+        assert isinstance(layer, IceLayer) and layer.decoding
+        layer.wait()
+        n, m, w, f = layer.sink_len, layer.mid, layer.win_at, layer.win_fill
+        k = torch.cat([layer.res_k[:, :n], layer.host_k[:, :m].to(layer.res_k.device),
+                       layer.res_k[:, w : w + f]], dim=1)
+        v = torch.cat([layer.res_v[:, :n], layer.host_v[:, :m].to(layer.res_v.device),
+                       layer.res_v[:, w : w + f]], dim=1)
+        out.append((k[None], v[None]))
+    return out
+
+
+def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
+             max_seconds: float | None) -> BenchRow:
+    """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
+    try:
+        with PeakRss() as peak:
+            if max_seconds is not None:  # one untimed probe step decides whether to go on
+                t = time.perf_counter()
+                with torch.inference_mode():
+                    logits = session._forward([int(torch.argmax(logits))])
+                probe = time.perf_counter() - t
+                if probe > max_seconds:
+                    row.status, row.reason = "over time cap", f"a decode step took {probe:.1f} s > {max_seconds:g} s"
+                    return row
+                prefill_s += probe
+                warmup = max(0, warmup - 1)
+            r = time_decode(session, logits, prefill_s, steps, warmup)
+    except (MemoryError, torch.OutOfMemoryError) as exc:
+        row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
+        return row
+    row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = r.tt2t_s, r.tpot_ms, r.tpot_p90_ms
+    row.device_kv_bytes, row.host_kv_bytes = r.device_kv_bytes, r.host_kv_bytes
+    row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
+    return row
+
+
+def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, warmup: int = 2,
+            full_prefill_max: int = 32768, max_seconds: float | None = None,
+            log=lambda _m: None, on_progress=None) -> list[BenchRow]:
+    ids = context_ids(loaded.tokenizer, ctx)
+    rows: list[BenchRow] = []
+    if ctx <= full_prefill_max:
+        log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
+        pre = prefill_once(loaded, settings, ids, on_progress=on_progress)
+        source = "full prefill (shared)"
+        todo = methods
+    else:
+        log(f"sparse prefill of {ctx} tokens (ice) ...")
+        session = Session(loaded, settings.replace(prefill="sparse"), "ice")
+        with PeakRss() as peak:
+            logits, stats = session.prefill(ids, on_progress)
+        source = "sparse prefill (ice)"
+        if "ice" in methods:
+            row = BenchRow("ice", ctx, kv_source="own sparse prefill",
+                           prefill_tok_s=len(ids) / stats.prefill_seconds)
+            log(f"ice at {ctx} tokens: decoding ...")
+            rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds))
+            rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
+        todo = [m for m in methods if m != "ice"]
+        pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
+                        stats.prefill_seconds)
+        del session
+        gc.collect()
+    for method in todo:
+        log(f"{method} at {ctx} tokens: decoding ...")
+        row = BenchRow(method, ctx, kv_source=source, prefill_tok_s=len(ids) / pre.seconds)
+        try:
+            session = Session(loaded, settings, method)
+            session.adopt(pre)
+        except (MemoryError, torch.OutOfMemoryError) as exc:
+            row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
+            rows.append(row)
+            continue
+        rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds))
+        del session
+        gc.collect()
+    by = {r.method: r for r in rows if r.status == "ok"}
+    for r in rows:
+        if r.status != "ok":
+            continue
+        for base in ("full", "dense"):
+            if base in by:
+                setattr(r, f"tpot_ratio_vs_{base}", by[base].tpot_ms / r.tpot_ms)
+    order = {m: i for i, m in enumerate(methods)}
+    return sorted(rows, key=lambda r: order[r.method])
