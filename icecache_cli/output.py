@@ -82,7 +82,7 @@ class Reporter:
         self.live = not quiet and stderr.is_terminal
         self._progress: Progress | None = None
         self._tasks: dict[str, int] = {}
-        self._plain: dict[str, tuple[float, float]] = {}  # phase -> (started, last line)
+        self._plain: dict[str, tuple[float, int, float]] = {}  # phase -> (t0, done at t0, last line)
 
     def info(self, message: str) -> None:
         if not self.quiet:
@@ -118,16 +118,20 @@ class Reporter:
 
     def _plain_line(self, phase: str, done: int, total: int) -> None:
         now = time.monotonic()
-        started, last = self._plain.setdefault(phase, (now, now))
-        if now - last < self.every or done <= 0:
+        if phase not in self._plain or done < self._plain[phase][1]:  # a new run of the phase
+            self._plain[phase] = (now, done, now)
             return
-        self._plain[phase] = (started, now)
-        rate = done / max(now - started, 1e-9)
+        started, done0, last = self._plain[phase]
+        if now - last < self.every:
+            return
+        self._plain[phase] = (started, done0, now)
+        rate = (done - done0) / max(now - started, 1e-9)
         eta = (total - done) / rate if rate > 0 else 0.0
         stderr.print(f"{phase}: {done}/{total} tokens, {rate:,.0f} tokens/s, about {eta:.0f} s left",
                      style="dim", markup=False, soft_wrap=True)
 
     def close(self) -> None:
+        self._plain.clear()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

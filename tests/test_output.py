@@ -12,7 +12,7 @@ from icecache_cli import output
 def test_plain_progress_lines_off_a_terminal(monkeypatch):
     buf = io.StringIO()
     monkeypatch.setattr(output, "stderr", Console(file=buf, force_terminal=False, width=120))
-    times = iter([100.0, 100.0, 102.0, 112.0, 113.0])
+    times = iter([100.0, 100.0, 102.0, 112.0, 113.0, 200.0, 215.0])
     monkeypatch.setattr(output.time, "monotonic", lambda: next(times))
     rep = output.Reporter()
     assert not rep.live
@@ -21,8 +21,12 @@ def test_plain_progress_lines_off_a_terminal(monkeypatch):
     rep.progress("prefill", 200, 1000)  # 2 s: too soon
     rep.progress("prefill", 600, 1000)  # 12 s after the start: a line
     rep.progress("prefill", 650, 1000)  # 1 s after that line: too soon
+    rep.close()
+    rep.progress("prefill", 100, 400)  # a new prefill: the clock starts again from its first report
+    rep.progress("prefill", 250, 400)  # 15 s later: 150 tokens in 15 s
     lines = buf.getvalue().splitlines()
-    assert lines == ["prefill: 600/1000 tokens, 50 tokens/s, about 8 s left"]
+    assert lines == ["prefill: 600/1000 tokens, 50 tokens/s, about 8 s left",
+                     "prefill: 250/400 tokens, 10 tokens/s, about 15 s left"]
     quiet = output.Reporter(quiet=True)
     quiet.progress("prefill", 10, 20)
     assert buf.getvalue().splitlines() == lines
