@@ -244,7 +244,7 @@ class IceLayer(CacheLayerMixin):
         self.win_fill = w
         self.valid[:, self.win_at : self.win_at + w] = True
         # Host store: middle tokens in token order, one block of rows per KV head.
-        self.host_cap = max(64, 2 * mid)
+        self.host_cap = mid + max(256, mid // 8)  # room for decode evictions; grows by a quarter
         self.host_k = self.backend.host_empty((H, self.host_cap, d), self.dtype)
         self.host_v = self.backend.host_empty((H, self.host_cap, d), self.dtype)
         self.host_k[:, :mid] = k[:, sink : sink + mid].to("cpu")
@@ -372,7 +372,7 @@ class IceLayer(CacheLayerMixin):
     def _store(self, old_k: torch.Tensor, old_v: torch.Tensor) -> None:
         m = old_k.shape[1]
         if self.mid + m > self.host_cap:
-            cap = 2 * (self.mid + m)
+            cap = self.mid + m + max(self.host_cap // 4, 4 * m)  # by a quarter: little slack
             for name in ("host_k", "host_v"):
                 old = getattr(self, name)
                 new = self.backend.host_empty((self.H, cap, self.d), self.dtype)
