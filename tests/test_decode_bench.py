@@ -45,3 +45,24 @@ def test_bench_command_both_kv_routes(tmp_path):
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
     capped = run_cli(["bench", "--ctx", "300", "--methods", "full", "--max-seconds", "0"])
     assert capped.returncode == 0 and "over time cap" in capped.stderr.decode()
+
+
+def test_bench_prefill_modes(tmp_path):
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "prefill", "--ctx", "300,500", "--modes", "full,ice,ice-serial,sparse",
+                 "--chunk-size", "128", "--json"])
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [(x["mode"], x["ctx"]) for x in rows] == [
+        (m, n) for n in (300, 500) for m in ("full", "ice", "ice-serial", "sparse")]
+    for x in rows:
+        assert x["seconds"] > 0 and x["tokens_per_s"] > 0 and x["peak_rss_bytes"] > 0
+        assert (x["host_kv_bytes"] > 0) == (x["mode"] != "full")
+        assert x["time_ratio_vs_full"] > 0
+    assert all(x["index_build_s"] > 0 for x in rows if x["mode"] in ("ice", "ice-serial"))
+    assert all(x["index_insert_s"] > 0 for x in rows if x["mode"] == "sparse" and x["ctx"] == 500)
+    bad = run_cli(["bench", "prefill", "--modes", "fast"])
+    assert bad.returncode == 2 and "unknown mode 'fast'" in bad.stderr.decode()

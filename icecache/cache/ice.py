@@ -111,6 +111,12 @@ class StepStats:
     index_build_s: float = 0.0
     index_insert_s: float = 0.0
 
+    def reset_step_counters(self) -> None:
+        """Forget what prefill chunks selected and loaded (a sparse prefill's work is not the
+        decode steps'); the index build and insert times stay."""
+        self.layer_steps = self.pages_selected = self.pages_loaded = self.bytes_moved = 0
+        self.query_s = self.load_s = self.attention_s = 0.0
+
     def as_dict(self) -> dict:
         per = max(1, self.steps)
         return {
@@ -514,6 +520,7 @@ class IceCache(Cache):
         """Every layer offloaded and indexed (the prefill's wall time includes its index)."""
         for layer in self.ice_layers():
             layer.finalize_now()
+        self.stats.reset_step_counters()
 
     def device_kv_bytes(self) -> int:
         dense = sum(layer.device_bytes() for layer in self.layers if isinstance(layer, GrowingLayer))
