@@ -56,6 +56,7 @@ class Settings:
     max_context: int = 131072
     prefill: str = "full"  # "full": chunks attend to all before them; "sparse": to selected pages
     prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
+    prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
 
@@ -123,6 +124,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill", f"must be one of {', '.join(PREFILL_MODES)}")
     if s.prefill_budget <= 0 or s.prefill_budget % s.page_size:
         raise bad("prefill_budget", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.prefill_queries < 1:
+        raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:
         raise bad("dense_window", "must be > 0")
     resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget

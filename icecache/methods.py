@@ -59,6 +59,7 @@ def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
         prefill_pages=settings.prefill_budget // settings.page_size,
+        prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
     )
