@@ -43,8 +43,10 @@ def test_bench_command_both_kv_routes(tmp_path):
     assert all(x["host_kv_bytes"] > 0 and set(x["breakdown_ms"]) >= {"index_query", "rest_of_model"}
                for x in ice)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6
-    capped = run_cli(["bench", "--ctx", "300", "--methods", "full", "--max-seconds", "0"])
-    assert capped.returncode == 0 and "over time cap" in capped.stderr.decode()
+    capped = run_cli(["bench", "--ctx", "300", "--methods", "full", "--max-seconds", "0", "--json"])
+    assert capped.returncode == 0, capped.stderr.decode()
+    row = json.loads(capped.stdout.decode().strip().splitlines()[-1])["results"][0]
+    assert row["status"] == "over time cap" and row["tpot_ms"] is None and "> 0 s" in row["reason"]
 
 
 def test_bench_prefill_modes(tmp_path):
