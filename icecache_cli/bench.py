@@ -27,15 +27,15 @@ def bench_main(
     context: typer.Context,
     ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present).")] = "full,dense,ice,ice-reuse,quest",
-    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None,
+    budget: BudgetOpt = None,
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps).")] = 16,
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl.", show_default=False)] = None,
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+    profile: ProfileOpt = None,
+    model: ModelOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method."""
     if context.invoked_subcommand is not None:
@@ -100,6 +100,13 @@ def print_bench_table(rows, n: int) -> None:
     stderr.print(t)
 
 
+BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)]
+ProfileOpt = Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)]
+ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
+
+
 def parse_size(text: str) -> int:
     t = text.strip().lower()
     try:
@@ -117,9 +124,9 @@ def index(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
     beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).")] = None,
+    model: ModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Index quality and speed on keys and queries captured from the model."""
     from icecache.bench.index_bench import IndexBenchResult, run_layer
@@ -177,12 +184,12 @@ def print_table(s: dict) -> None:
 def decode(
     ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline.")] = "full,ice",
-    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None,
+    budget: BudgetOpt = None,
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+    profile: ProfileOpt = None,
+    model: ModelOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
     from icecache.bench import decode_bench
@@ -231,11 +238,11 @@ def prefill(
     ctx: Annotated[str, typer.Option("--ctx", help="Prompt lengths, comma-separated (16k = 16384).")] = "8k,16k",
     modes: Annotated[str, typer.Option("--modes", help="Prefill modes: full, dense, ice, ice-serial, sparse, sparse-serial; the first is the baseline.")] = "full,ice,ice-serial",
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per chunk (default: the profile's).", show_default=False)] = None,
-    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None,
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="One JSON document on stdout.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+    budget: BudgetOpt = None,
+    profile: ProfileOpt = None,
+    model: ModelOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
 ) -> None:
     """Prefill wall time (index included), tokens/s and peak RSS per prefill mode."""
     from icecache.bench import prefill_bench

@@ -139,14 +139,20 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous(), None
 
 
+def register_attention(name: str, fn) -> None:
+    """Register ``fn`` with transformers' ``AttentionInterface`` under ``name``, with SDPA's
+    masks (without a mask function registered, transformers passes a custom attention none)."""
+    from transformers import AttentionInterface, AttentionMaskInterface
+    from transformers.masking_utils import sdpa_mask
+
+    AttentionInterface.register(name, fn)
+    AttentionMaskInterface.register(name, sdpa_mask)
+
+
 def register() -> str:
     """Register the attention and its masks (the same as SDPA's) once; return the name."""
     global _registered
     if not _registered:
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
-
-        AttentionInterface.register(NAME, ice_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        register_attention(NAME, ice_attention)
         _registered = True
     return NAME

@@ -56,10 +56,8 @@ def register(budget: int, sink: int, window: int, dense_layers: int, per: str = 
     global _registered
     _spec.update(budget=budget, sink=sink, window=window, dense_layers=dense_layers, per=per)
     if not _registered:
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
+        from .attention import register_attention
 
-        AttentionInterface.register(NAME, oracle_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        register_attention(NAME, oracle_attention)
         _registered = True
     return NAME

@@ -45,10 +45,8 @@ def record_attention(module, query, key, value, attention_mask, scaling=None, dr
 def register() -> str:
     global _registered
     if not _registered:
-        from transformers import AttentionInterface, AttentionMaskInterface
-        from transformers.masking_utils import sdpa_mask
+        from .attention import register_attention
 
-        AttentionInterface.register(NAME, record_attention)
-        AttentionMaskInterface.register(NAME, sdpa_mask)
+        register_attention(NAME, record_attention)
         _registered = True
     return NAME
