@@ -26,6 +26,7 @@ from .errors import ProfileError
 
 DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse")
+HOST_DTYPES = ("auto",) + DTYPES
 MAX_THREADS = 256
 
 
@@ -59,6 +60,7 @@ class Settings:
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
+    host_dtype: str = "auto"  # the host store's: auto = float16 for a float32 model, else the model's
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -128,6 +130,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:
         raise bad("dense_window", "must be > 0")
+    if s.host_dtype not in HOST_DTYPES:
+        raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget
     if s.max_context < resident:
         raise bad("max_context", f"must hold at least sink + window + budget ({resident} tokens)")

@@ -54,7 +54,9 @@ def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
         budget_pages=settings.budget_pages if pages else 0,
         sink_tokens=settings.sink_pages * settings.page_size,
         window_tokens=settings.window_pages * settings.page_size,
-        index=IndexConfig(page_size=settings.page_size, beam=settings.index_beam),
+        # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
+        index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
+                          beam=settings.index_beam),
         selector=selector,
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
@@ -62,7 +64,17 @@ def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
+        host_dtype=host_dtype(settings),
     )
+
+
+def host_dtype(settings: Settings) -> str | None:
+    """The host store's dtype (None: the KV's own). ``auto`` keeps a float32 model's offloaded
+    keys and values in float16 (as llama.cpp's KV cache does by default): half the host memory,
+    which a 250k-token context on a 24 GiB machine needs."""
+    if settings.host_dtype == "auto":
+        return "float16" if settings.dtype == "float32" else None
+    return None if settings.host_dtype == settings.dtype else settings.host_dtype
 
 
 def prepare_model(method: str, model: Any, settings: Settings | None = None) -> None:

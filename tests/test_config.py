@@ -49,6 +49,7 @@ BAD_PROFILES = [
     ("window_pages: 0\n", "key 'window_pages' must be >= 1"),
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),
     ("dtype: int8\n", "key 'dtype' must be one of float32"),
+    ("host_dtype: int8\n", "key 'host_dtype' must be one of auto, float32"),
     ("host_memory_gib: 0\n", "key 'host_memory_gib' must be > 0"),
     ("chunk_size: 100\n", "key 'chunk_size' must be a positive multiple of page_size"),
     ("max_context: 300\n", "key 'max_context' must hold at least sink + window + budget (320 tokens)"),

@@ -82,6 +82,35 @@ def test_budget_covering_everything_equals_full(arch, kv_heads):
     assert cache.stats.steps == 40 and cache.stats.pages_loaded > 0
 
 
+def test_float16_host_store_halves_host_bytes_and_stays_close():
+    """Offloaded keys and values kept in float16: half the host bytes, logits near full's (and
+    not bit-equal: the rounding is real)."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 97, 150).tolist()
+    forced = rng.integers(0, 97, 24).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    wide = ice_cache(model, spec(budget_pages=256))
+    run_steps(model, wide, prompt, forced)
+    half_spec = IceSpec(**{**spec(budget_pages=256).__dict__, "host_dtype": "float16"})
+    half = ice_cache(model, half_spec)
+    got = run_steps(model, half, prompt, forced)
+    layer = half.ice_layers()[0]
+    assert layer.host_k.dtype == torch.float16 and layer.res_k.dtype == torch.float32
+    assert 2 * half.host_kv_bytes() == wide.host_kv_bytes() > 0
+    err = max(float((b - a).abs().max()) for a, b in zip(ref, got, strict=True))
+    assert 0 < err < 2e-2
+
+
+def test_auto_host_dtype_follows_the_model_dtype(cpu_settings):
+    from icecache.methods import host_dtype
+
+    assert host_dtype(cpu_settings.replace(host_dtype="auto")) == "float16"
+    assert host_dtype(cpu_settings.replace(host_dtype="auto", dtype="bfloat16")) is None
+    assert host_dtype(cpu_settings.replace(host_dtype="float32")) is None
+    assert host_dtype(cpu_settings.replace(host_dtype="bfloat16")) == "bfloat16"
+
+
 def test_quest_selector_with_full_budget_equals_full():
     model = tiny_model("qwen2", 2)
     rng = np.random.default_rng(6)

@@ -45,7 +45,7 @@ def check_invariants(t: DCITree) -> None:
             prev_hi, total, pg = vals.max(), total + t.count[pg], t.next_page[pg]
         assert total == t.node_size[node]
     # Every transformed key has squared norm M (the inner-product transform).
-    norms = (t.X[:n].astype(np.float64) ** 2).sum(1)
+    norms = (t.rows(np.arange(n)).astype(np.float64) ** 2).sum(1)
     np.testing.assert_allclose(norms, t.M, rtol=1e-4)
 
 

@@ -64,9 +64,9 @@ def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
         assert isinstance(layer, IceLayer) and layer.decoding
         layer.wait()
         n, m, w, f = layer.sink_len, layer.mid, layer.win_at, layer.win_fill
-        k = torch.cat([layer.res_k[:, :n], layer.host_k[:, :m].to(layer.res_k.device),
+        k = torch.cat([layer.res_k[:, :n], layer.host_k[:, :m].to(layer.res_k.device, layer.res_k.dtype),
                        layer.res_k[:, w : w + f]], dim=1)
-        v = torch.cat([layer.res_v[:, :n], layer.host_v[:, :m].to(layer.res_v.device),
+        v = torch.cat([layer.res_v[:, :n], layer.host_v[:, :m].to(layer.res_v.device, layer.res_v.dtype),
                        layer.res_v[:, w : w + f]], dim=1)
         out.append((k[None], v[None]))
     return out

@@ -77,8 +77,8 @@ class TorchBackend:
         torch.index_select(host_k, 0, src, out=stage[:m])
         torch.index_select(host_v, 0, src, out=stage[m:])
         if not self.cuda:
-            pool_k.index_copy_(0, dst, stage[:m])
-            pool_v.index_copy_(0, dst, stage[m:])
+            pool_k.index_copy_(0, dst, stage[:m].to(pool_k.dtype))  # a host store in float16
+            pool_v.index_copy_(0, dst, stage[m:].to(pool_v.dtype))
         else:
             current = torch.cuda.current_stream(self.device)
             with torch.cuda.stream(self._stream):
@@ -90,8 +90,8 @@ class TorchBackend:
             current.wait_stream(self._stream)
             moved.record_stream(current)
             dst_dev.record_stream(current)
-            pool_k.index_copy_(0, dst_dev, moved[:m])
-            pool_v.index_copy_(0, dst_dev, moved[m:])
+            pool_k.index_copy_(0, dst_dev, moved[:m].to(pool_k.dtype))
+            pool_v.index_copy_(0, dst_dev, moved[m:].to(pool_v.dtype))
         return 2 * m * d * host_k.element_size()
 
     def synchronize(self) -> None:

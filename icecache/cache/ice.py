@@ -87,6 +87,7 @@ class IceSpec:
     chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
+    host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property
     def pool_pages(self) -> int:
@@ -158,6 +159,8 @@ class IceLayer(CacheLayerMixin):
     # -- transformers' layer interface ----------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         self.dtype, self.device = key_states.dtype, key_states.device
+        hd = self.spec.host_dtype
+        self.host_dtype = getattr(torch, hd) if hd else self.dtype
         self.H, self.d = key_states.shape[1], key_states.shape[3]
         self.keys = key_states[:, :, :0]
         self.values = value_states[:, :, :0]
@@ -251,8 +254,8 @@ class IceLayer(CacheLayerMixin):
         self.valid[:, self.win_at : self.win_at + w] = True
         # Host store: middle tokens in token order, one block of rows per KV head.
         self.host_cap = mid + max(256, mid // 8)  # room for decode evictions; grows by a quarter
-        self.host_k = self.backend.host_empty((H, self.host_cap, d), self.dtype)
-        self.host_v = self.backend.host_empty((H, self.host_cap, d), self.dtype)
+        self.host_k = self.backend.host_empty((H, self.host_cap, d), self.host_dtype)
+        self.host_v = self.backend.host_empty((H, self.host_cap, d), self.host_dtype)
         self.host_k[:, :mid] = k[:, sink : sink + mid].to("cpu")
         self.host_v[:, :mid] = v[:, sink : sink + mid].to("cpu")
         self.mid = mid
@@ -264,7 +267,7 @@ class IceLayer(CacheLayerMixin):
         self.indexed = self.anchor is None and P > 0  # streaming (no pages): no index
         if self.indexed:
             t0 = time.perf_counter()
-            keys_np = self.host_k[:, :mid].float().numpy()
+            keys_np = k[:, sink : sink + mid].float().cpu().numpy()  # the keys before rounding
             if spec.selector == "snapkv":
                 from .selectors import snap_votes
 
@@ -381,7 +384,7 @@ class IceLayer(CacheLayerMixin):
             cap = self.mid + m + max(self.host_cap // 4, 4 * m)  # by a quarter: little slack
             for name in ("host_k", "host_v"):
                 old = getattr(self, name)
-                new = self.backend.host_empty((self.H, cap, self.d), self.dtype)
+                new = self.backend.host_empty((self.H, cap, self.d), self.host_dtype)
                 new[:, : self.mid] = old[:, : self.mid]
                 setattr(self, name, new)
             self.host_cap = cap

@@ -6,8 +6,9 @@ Each has a plain NumPy counterpart in ``icecache.index.reference`` that the test
 Layout (one tree, one KV head; ``n`` points, ``D = head_dim + 1`` after the inner-product
 transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
 
-- ``X``: (cap, D) float32 transformed keys; ``proj``: (cap,) float32 projection on the tree's
-  random direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
+- The transformed keys (D float32 each) live only in ``PX``, page-major, at the point's
+  ``tok_page``/``tok_slot``; the kernels that place or parent new points take those points' rows
+  (``rows``) from the caller. ``proj``: (cap,) float32 projection on the tree's random direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
 - ``first_page``: (cap + 1,) int32, a node's first child page (-1: none); ``node_size``:
   (cap + 1,) int32 children per node.
 - pages: ``members`` (pcap, S) int32 point ids; ``count`` (pcap,); ``next_page`` (pcap,) the
@@ -23,9 +24,10 @@ from numba import njit
 
 
 @njit(nogil=True, cache=True)
-def insert_child(i, node, proj, X, PX, members, count, next_page, owner, lo, hi, dirty,
+def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi, dirty,
                  first_page, node_size, tok_page, tok_slot, npages):
-    """Put point ``i`` among ``node``'s children; return the new page count.
+    """Put point ``i`` (transformed key ``xi``) among ``node``'s children; return the new page
+    count.
 
     The page whose projection range covers ``proj[i]`` takes it (pages of a node are disjoint,
     ordered runs along the projection). A full page is first split in half along the
@@ -88,7 +90,7 @@ def insert_child(i, node, proj, X, PX, members, count, next_page, owner, lo, hi,
             pg = new
     s = count[pg]
     members[pg, s] = i
-    PX[pg, s] = X[i]
+    PX[pg, s] = xi
     count[pg] = s + 1
     tok_page[i] = pg
     tok_slot[i] = s
@@ -102,9 +104,10 @@ def insert_child(i, node, proj, X, PX, members, count, next_page, owner, lo, hi,
 
 
 @njit(nogil=True, cache=True)
-def attach_sorted(ids, parents, proj, X, PX, members, count, next_page, owner, lo, hi, dirty,
+def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner, lo, hi, dirty,
                   first_page, node_size, tok_page, tok_slot, npages):
-    """Bulk attach: ``ids`` sorted by (parent, projection); return the new page count.
+    """Bulk attach: ``ids`` sorted by (parent, projection), ``rows[t]`` the transformed key of
+    ``ids[t]``; return the new page count.
 
     A parent that has no children yet gets them as full pages, in projection order; any other
     parent takes them one by one through ``insert_child``. Pages built here are marked dirty.
@@ -119,7 +122,7 @@ def attach_sorted(ids, parents, proj, X, PX, members, count, next_page, owner, l
             b += 1
         if first_page[node] >= 0:
             for t in range(a, b):
-                npages = insert_child(ids[t], node, proj, X, PX, members, count, next_page, owner,
+                npages = insert_child(ids[t], rows[t], node, proj, PX, members, count, next_page, owner,
                                       lo, hi, dirty, first_page, node_size, tok_page, tok_slot,
                                       npages)
         else:
@@ -130,7 +133,7 @@ def attach_sorted(ids, parents, proj, X, PX, members, count, next_page, owner, l
                 e = min(c + S, b)
                 for t in range(c, e):
                     members[pg, t - c] = ids[t]
-                    PX[pg, t - c] = X[ids[t]]
+                    PX[pg, t - c] = rows[t]
                     tok_page[ids[t]] = pg
                     tok_slot[ids[t]] = t - c
                 count[pg] = e - c
@@ -270,14 +273,14 @@ def query_tree(v, vproj, top_level, target_level, k, beam, visit_frac, PX, level
 
 
 @njit(nogil=True, cache=True)
-def parents_by_tree(X, ids, u, top_level, target_level, beam, visit_frac, PX, level, first_page,
+def parents_by_tree(rows, u, top_level, target_level, beam, visit_frac, PX, level, first_page,
                     next_page, members, count, lo, hi, node_size, scratch_ids, scratch_scores, out):
     """Parent search for many points in one call: ``query_tree`` down to ``target_level`` with
-    each point's transformed key, the nearest found there + 1 (a node id) in ``out`` (0, the
-    root, when that level is empty)."""
-    D = X.shape[1]
-    for j in range(ids.shape[0]):
-        v = X[ids[j]]
+    each point's transformed key (``rows``), the nearest found there + 1 (a node id) in ``out``
+    (0, the root, when that level is empty)."""
+    D = rows.shape[1]
+    for j in range(rows.shape[0]):
+        v = rows[j]
         vp = np.float32(0.0)
         for c in range(D):
             vp += v[c] * u[c]
@@ -288,25 +291,24 @@ def parents_by_tree(X, ids, u, top_level, target_level, beam, visit_frac, PX, le
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def nearest_among(X, ids, cand, out):
-    """For each point ``ids[j]``, the ``cand`` point of largest ``<x_i, x_c>`` (exact), in ``out``.
+def nearest_among(rows, C, cand, out):
+    """For each row ``rows[j]``, the ``cand`` point (transformed keys ``C``) of largest inner
+    product (exact), in ``out``.
 
     Used for the parents of a few new points (single inserts), where a BLAS call costs more in
     overhead and thread wake-up than the arithmetic.
     """
-    D = X.shape[1]
-    for j in range(ids.shape[0]):
-        i = ids[j]
+    D = rows.shape[1]
+    for j in range(rows.shape[0]):
         best = -np.inf
         arg = -1
         for c in range(cand.shape[0]):
             acc = np.float32(0.0)
-            r = cand[c]
             for d in range(D):
-                acc += X[i, d] * X[r, d]
+                acc += rows[j, d] * C[c, d]
             if acc > best:
                 best = acc
-                arg = r
+                arg = cand[c]
         out[j] = arg
 
 

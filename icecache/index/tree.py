@@ -8,13 +8,13 @@ page among their siblings: pages are runs of at most ``page_size`` children of o
 contiguous along a random projection direction (orthogonal to the extra coordinate, so a change of
 ``M`` never reorders them).
 
-Memory per indexed key (head_dim 64, float32): 65 x 4 B transformed key in insertion order
-(parents, builds) and again in page-major order (queries read a node's children from contiguous
-memory; random rows would make a query memory-latency bound at 100k+ keys), at ~3/4 page fill
-about 350 B; + 4 B projection + 1 B level + 3 x 4 B parent/page/slot + 8 B node first page and
-size + 8 B position + ~8 B page table: about 650 B, i.e. 2.5x the raw key (256 B); measured
-figures are printed by ``icecache bench index`` (bytes/key, with the array capacity's slack).
-Values are not held here.
+Memory per indexed key (head_dim 64, float32): the 65 x 4 B transformed key is held once, in
+page-major order (queries read a node's children from contiguous memory; random rows would make
+a query memory-latency bound at 100k+ keys): at the 2/3 to 3/4 page fill that splits leave, and
+with the page arrays' growth slack, 350-500 B; + 4 B projection + 4 B squared norm + 1 B level +
+3 x 4 B parent/page/slot + 8 B node first page and size + 8 B position + ~8 B page table + query
+scratch: 450-600 B, i.e. about 2x the raw key (256 B); measured figures are printed by
+``icecache bench index`` (bytes/key, with the array capacity's slack). Values are not held here.
 """
 
 from __future__ import annotations
@@ -88,13 +88,12 @@ class DCITree:
         self._alloc_pages(max(16, capacity // 8))
 
     # -- storage ----------------------------------------------------------------------------
-    POINT_ARRAYS = ("X", "sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
+    POINT_ARRAYS = ("sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
                     "first_page", "node_size")
     PAGE_ARRAYS = ("members", "PX", "count", "next_page", "owner", "lo", "hi", "dirty")
 
     def _alloc(self, cap: int) -> None:
         """Point arrays for ``cap`` points; page arrays start small and grow with the pages."""
-        self.X = np.zeros((cap, self.D), np.float32)
         self.sqnorm = np.zeros(cap, np.float32)
         self.proj = np.zeros(cap, np.float32)
         self.level = np.zeros(cap, np.int8)
@@ -112,7 +111,7 @@ class DCITree:
         S = self.cfg.page_size
         self.members = np.full((pcap, S), -1, np.int32)
         # Page-major copy of the transformed keys: a node's children are scored from contiguous
-        # memory (random rows of X would make a query memory-latency bound at large n).
+        # memory (random rows would make a query memory-latency bound at large n). The only copy.
         self.PX = np.zeros((pcap, S, self.D), np.float32)
         self.count = np.zeros(pcap, np.int32)
         self.next_page = np.full(pcap, -1, np.int32)
@@ -166,20 +165,26 @@ class DCITree:
         return out
 
     # -- transform ----------------------------------------------------------------------------
-    def _set_keys(self, ids: np.ndarray, keys: np.ndarray) -> None:
+    def _set_keys(self, ids: np.ndarray, keys: np.ndarray) -> np.ndarray:
+        """Norms and projections of new points; return their transformed keys (m, D)."""
         sq = np.einsum("ij,ij->i", keys, keys).astype(np.float32)
         self.sqnorm[ids] = sq
         new_m = float(sq.max()) if sq.size else 0.0
         if new_m > self.M:
             self.M = new_m
             # Correct every stored extra coordinate for the new maximum.
-            live = slice(0, self.n)
-            self.X[live, -1] = np.sqrt(np.maximum(self.M - self.sqnorm[live], 0.0))
-            placed = np.flatnonzero(self.tok_page[live] >= 0)
-            self.PX[self.tok_page[placed], self.tok_slot[placed], -1] = self.X[placed, -1]
-        self.X[ids, :-1] = keys
-        self.X[ids, -1] = np.sqrt(np.maximum(self.M - sq, 0.0))
-        self.proj[ids] = self.X[ids] @ self.u
+            placed = np.flatnonzero(self.tok_page[: self.n] >= 0)
+            self.PX[self.tok_page[placed], self.tok_slot[placed], -1] = np.sqrt(
+                np.maximum(self.M - self.sqnorm[placed], 0.0))
+        rows = np.empty((len(ids), self.D), np.float32)
+        rows[:, :-1] = keys
+        rows[:, -1] = np.sqrt(np.maximum(self.M - sq, 0.0))
+        self.proj[ids] = rows @ self.u
+        return rows
+
+    def rows(self, ids: np.ndarray) -> np.ndarray:
+        """Transformed keys (len(ids), D) of placed points (read from their pages)."""
+        return self.PX[self.tok_page[ids], self.tok_slot[ids]]
 
     # -- building -----------------------------------------------------------------------------
     def insert(self, keys: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
@@ -203,29 +208,31 @@ class DCITree:
         self.pos[ids] = positions
         self.level[ids] = levels
         self.n += m
-        self._set_keys(ids, keys)
+        rows = self._set_keys(ids, keys)
         for lvl in set(levels.tolist()) - {0}:
             self._by_level.setdefault(lvl, []).append(ids[levels == lvl])
         # Levels top-down: a point's parent exists before the point itself is placed.
         for lvl in sorted(set(levels.tolist()), reverse=True):
-            self._place(ids[levels == lvl], lvl)
+            at = levels == lvl
+            self._place(ids[at], lvl, rows[at])
         return np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
 
-    def _place(self, ids: np.ndarray, lvl: int) -> None:
-        """Attach points of one level: under the root at the top, else under their parents."""
+    def _place(self, ids: np.ndarray, lvl: int, rows: np.ndarray) -> None:
+        """Attach points of one level (transformed keys ``rows``): under the root at the top,
+        else under their parents."""
         root = np.zeros(len(ids), np.int32)
         if lvl > self.top_level:
             old_top = self.top_level
             self.top_level = lvl
             # The root's children (the old top level) move under the new, higher level.
-            orphans = self._detach_root()
-            self._attach(ids, root)
+            orphans, orows = self._detach_root()
+            self._attach(ids, root, rows)
             if len(orphans):
-                self._attach(orphans, self._parents(orphans, old_top))
+                self._attach(orphans, self._parents(orphans, old_top, orows), orows)
         elif lvl == self.top_level:
-            self._attach(ids, root)
+            self._attach(ids, root, rows)
         else:
-            self._attach(ids, self._parents(ids, lvl))
+            self._attach(ids, self._parents(ids, lvl, rows), rows)
 
     def _level_ids(self, lvl: int) -> np.ndarray:
         """Point ids of one level (upper levels only; kept as the points arrive)."""
@@ -236,12 +243,14 @@ class DCITree:
             parts[:] = [np.concatenate(parts)]
         return parts[0]
 
-    def _detach_root(self) -> np.ndarray:
-        """Retire the root's pages; return the points they held (the caller re-attaches them)."""
-        held = []
+    def _detach_root(self) -> tuple[np.ndarray, np.ndarray]:
+        """Retire the root's pages; return the points they held and their transformed keys
+        (the caller re-attaches them)."""
+        held, rows = [], []
         pg = self.first_page[0]
         while pg >= 0:
             held.append(self.members[pg, : self.count[pg]].copy())
+            rows.append(self.PX[pg, : self.count[pg]].copy())
             for s in range(self.count[pg]):
                 self.tok_page[self.members[pg, s]] = -1
             self.count[pg] = 0
@@ -252,10 +261,13 @@ class DCITree:
             pg = nxt
         self.first_page[0] = -1
         self.node_size[0] = 0
-        return np.concatenate(held) if held else np.empty(0, np.int32)
+        if not held:
+            return np.empty(0, np.int32), np.empty((0, self.D), np.float32)
+        return np.concatenate(held), np.concatenate(rows)
 
-    def _parents(self, ids: np.ndarray, lvl: int) -> np.ndarray:
-        """Node ids of the nearest points one level up (the nearest existing higher level)."""
+    def _parents(self, ids: np.ndarray, lvl: int, rows: np.ndarray) -> np.ndarray:
+        """Node ids of the nearest points one level up (the nearest existing higher level) for
+        points ``ids`` with transformed keys ``rows``."""
         up = lvl + 1
         while up <= self.top_level and not len(self._level_ids(up)):
             up += 1
@@ -269,23 +281,23 @@ class DCITree:
         batch = not few and len(cand) * len(ids) <= EXACT_PARENT_PAIRS
         if len(cand) <= limit or up == self.top_level or batch:
             out = np.empty(len(ids), np.int32)
+            C = self.rows(cand)
             if few:
-                kernels.nearest_among(self.X, ids.astype(np.int32), cand, out)
+                kernels.nearest_among(rows, C, cand, out)
                 return out + 1
-            C = self.X[cand]
             for lo in range(0, len(ids), 4096):
-                block = ids[lo : lo + 4096]
-                out[lo : lo + len(block)] = cand[np.argmax(self.X[block] @ C.T, axis=1)] + 1
+                block = rows[lo : lo + 4096]
+                out[lo : lo + len(block)] = cand[np.argmax(block @ C.T, axis=1)] + 1
             return out
         out = np.empty(len(ids), np.int32)
         sid, ssc = self._scratch()
         kernels.parents_by_tree(
-            self.X, ids.astype(np.int32), self.u, self.top_level, up, self.cfg.parent_beam,
+            rows, self.u, self.top_level, up, self.cfg.parent_beam,
             self.cfg.visit_frac, self.PX, self.level, self.first_page, self.next_page, self.members,
             self.count, self.lo, self.hi, self.node_size, sid, ssc, out)
         return out
 
-    def _attach(self, ids: np.ndarray, parents: np.ndarray) -> None:
+    def _attach(self, ids: np.ndarray, parents: np.ndarray, rows: np.ndarray) -> None:
         self.parent[ids] = parents
         if len(ids) <= 64:  # point by point: each point makes at most one page (split or first)
             self._ensure_pages(len(ids) + 1)
@@ -299,17 +311,17 @@ class DCITree:
             # as full pages (point-by-point insertion in sorted order would leave pages half full).
             order = np.lexsort((self.proj[ids], parents))
             self.npages = kernels.attach_sorted(
-                ids[order].astype(np.int32), parents[order].astype(np.int32), *self._page_state(),
-                self.npages)
+                ids[order].astype(np.int32), np.ascontiguousarray(rows[order]),
+                parents[order].astype(np.int32), *self._page_state(), self.npages)
             return
         npages, state = self.npages, self._page_state()
-        for i, p in zip(ids.tolist(), parents.tolist(), strict=True):
-            npages = kernels.insert_child(i, p, *state, npages)
+        for t, (i, p) in enumerate(zip(ids.tolist(), parents.tolist(), strict=True)):
+            npages = kernels.insert_child(i, rows[t], p, *state, npages)
         self.npages = npages
 
     def _page_state(self) -> tuple:
         """The arrays the page kernels (``insert_child``, ``attach_sorted``) update, in order."""
-        return (self.proj, self.X, self.PX, self.members, self.count, self.next_page, self.owner,
+        return (self.proj, self.PX, self.members, self.count, self.next_page, self.owner,
                 self.lo, self.hi, self.dirty, self.first_page, self.node_size, self.tok_page,
                 self.tok_slot)
 
