@@ -113,6 +113,9 @@ class Session:
         self.stop_ids = stop_token_ids(loaded)
         self.cache = None
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
+        # on_token(tokens so far, stats): called with [] when a generation starts and after each
+        # new token (the live panel and streamed text read it).
+        self.on_token: Callable[[list[int], GenerationStats], None] | None = None
 
     def _forward(self, ids: list[int]) -> torch.Tensor:
         model = self.loaded.model
@@ -201,7 +204,9 @@ class Session:
     def _decode(self, logits, max_new_tokens: int, stats: GenerationStats,
                 on_progress: Progress | None, repetition_penalty: float):
         report = on_progress or (lambda *_: None)
+        watch = self.on_token or (lambda *_: None)
         out: list[int] = []
+        watch(out, stats)
         t_dec = time.perf_counter()
         while True:
             if repetition_penalty != 1.0 and out:
@@ -211,6 +216,7 @@ class Session:
                 break
             out.append(token)
             report("decode", len(out), max_new_tokens)
+            watch(out, stats)
             if len(out) >= max_new_tokens:
                 break
             t_step = time.perf_counter()

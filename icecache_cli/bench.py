@@ -47,7 +47,7 @@ def bench_main(
     from icecache.methods import check_method
     from icecache.models import load_model
 
-    with user_errors(), Reporter(quiet) as rep:
+    with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
         sizes = [parse_size(x) for x in ctx.split(",") if x.strip()]
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         if not method_list:
@@ -63,10 +63,21 @@ def bench_main(
                 "max_seconds": max_seconds, "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
         loaded = load_model(model, settings, log=rep.info)
         results = []
+        from .live import memory_now
+
+        def log(message: str) -> None:
+            rep.info(message)
+            rep.phase(message.rstrip(" .").replace(" tokens:", ":"))  # e.g. "ice at 131072: decoding"
+
+        def on_step(done, total, times, session) -> None:
+            rep.memory_probe = lambda: memory_now(session.cache)
+            rep.step(done, total, times, session.cache)
+
         for n in sizes:
             rows = full_bench.run_ctx(loaded, settings, method_list, n, steps=steps,
-                                      full_prefill_max=limit, max_seconds=max_seconds, log=rep.info,
-                                      on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None)
+                                      full_prefill_max=limit, max_seconds=max_seconds, log=log,
+                                      on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None,
+                                      on_step=on_step)
             rep.close()
             for r in rows:
                 results.append(r.as_dict())
@@ -80,24 +91,42 @@ def bench_main(
 
 
 def print_bench_table(rows, n: int) -> None:
-    t = Table(title=f"icecache bench: {n} tokens", box=None)
-    for c in ("method", "status", "TT2T s", "prefill tok/s", "TPOT ms", "p90 ms", "vs full",
-              "vs dense", "query/load/attn/rest ms", "resident KV MiB", "host KV MiB", "peak RSS GiB", "KV from"):
-        t.add_column(c)
+    """The rows as a table that fits 80 columns; statuses' reasons and KV sources as notes."""
+    t = Table(title=f"icecache bench: {n} tokens", box=None, padding=(0, 1), pad_edge=False,
+              collapse_padding=True)
+    for c in ("method", "TT2T", "tok/s", "TPOT", "p90", "xfull", "xdense", "q/ld/at/rest", "KV",
+              "host", "RSS"):
+        t.add_column(c, justify="left" if c in ("method", "q/ld/at/rest") else "right", no_wrap=True)
 
     def f(x, fmt):
-        return "-" if x is None else format(x, fmt)
+        if x is None:
+            return "-"
+        return format(x, ".0f" if fmt == ".1f" and abs(x) >= 100 else fmt)
 
+    notes, sources = [], {}
     for r in rows:
         b = r.breakdown_ms
-        parts = "/".join(f"{b[k]:.1f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
-        t.add_row(r.method, r.status + (f" ({r.reason})" if r.reason else ""), f(r.tt2t_s, ".1f"),
-                  f(r.prefill_tok_s, ".0f"), f(r.tpot_ms, ".1f"), f(r.tpot_p90_ms, ".1f"),
-                  f(r.tpot_ratio_vs_full, ".2f"), f(r.tpot_ratio_vs_dense, ".2f"), parts,
-                  f(r.device_kv_bytes and r.device_kv_bytes / 2**20, ".1f"),
-                  f(r.host_kv_bytes is not None and r.host_kv_bytes / 2**20 or None, ".1f"),
-                  f(r.peak_rss_bytes and r.peak_rss_bytes / 2**30, ".2f"), r.kv_source)
+        parts = "/".join(f"{b[k]:.0f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
+        if r.status != "ok":
+            notes.append(f"{r.method}: {r.status}" + (f" ({r.reason})" if r.reason else ""))
+            t.add_row(r.method, *(["-"] * 10))
+            continue
+        sources.setdefault(r.kv_source, []).append(r.method)
+        t.add_row(r.method, f(r.tt2t_s, ".1f"), f(r.prefill_tok_s, ".0f"), f(r.tpot_ms, ".1f"),
+                  f(r.tpot_p90_ms, ".1f"), f(r.tpot_ratio_vs_full, ".1f"), f(r.tpot_ratio_vs_dense, ".1f"),
+                  parts, f(r.device_kv_bytes and r.device_kv_bytes / 2**20, ".0f"),
+                  f(r.host_kv_bytes is not None and r.host_kv_bytes / 2**20 or None, ".0f"),
+                  f(r.peak_rss_bytes and r.peak_rss_bytes / 2**30, ".1f"))
     stderr.print(t)
+    stderr.print("TT2T: time to the second token, s; tok/s: prefill; TPOT, p90: ms per output token; "
+                 "xfull, xdense: times faster than full, dense; q/ld/at/rest: index query, page "
+                 "loading, attention, rest of the model, ms; KV: resident KV (device pool + dense "
+                 "layers), MiB; host: host store, MiB; RSS: peak process RSS, GiB.",
+                 style="dim", markup=False)
+    for src, methods in sources.items():
+        stderr.print(f"KV from {src}: {', '.join(methods)}", style="dim", markup=False)
+    for line in notes:
+        stderr.print(line, markup=False)
 
 
 BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)]

@@ -30,6 +30,16 @@ from icecache.errors import IceCacheError
 stderr = Console(stderr=True, highlight=False)
 
 
+def write_out(text: str) -> None:
+    """Write part of a result to stdout now (streamed text); a closed pipe ends quietly."""
+    try:
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        silence_stdout()
+        raise typer.Exit(0) from None
+
+
 def emit(text: str) -> None:
     """Write a result to stdout. A reader that went away ends the program quietly."""
     try:
@@ -65,24 +75,78 @@ class RateColumn(ProgressColumn):
 
     def render(self, task) -> Text:
         speed = task.finished_speed or task.speed
-        return Text(f"{speed:,.0f} tok/s" if speed else "", style="progress.data.speed")
+        if not speed:
+            return Text("")
+        unit = "tok" if task.fields.get("unit", "tokens") == "tokens" else task.fields["unit"]
+        text = f"{speed:,.0f} {unit}/s" if speed >= 1 else f"{60 * speed:,.1f} {unit}/min"
+        return Text(text, style="progress.data.speed")
+
+
+def _unit(phase: str) -> str:
+    """What a phase counts: tokens (prefill, decode, capture) or its own name (cells, ...)."""
+    return "tokens" if phase in ("prefill", "decode", "capture") else phase
+
+
+def panel_capable() -> bool:
+    """A live display makes sense: stderr is a terminal that can move its cursor."""
+    return stderr.is_terminal and not stderr.is_dumb_terminal
 
 
 class Reporter:
     """Progress and status on stderr.
 
-    On a terminal, a live bar per phase (tokens done / total, tokens per second, time left). On
-    any other stderr (a log file, a pipeline), a plain line at most every ``every`` seconds.
+    On a terminal, a live bar per phase (tokens done / total, tokens per second, time left), or
+    with ``panel`` (a title) the live panel of :mod:`icecache_cli.live`. On any other stderr (a
+    log file, a pipeline, TERM=dumb), a plain line at most every ``every`` seconds.
     """
 
     every = 10.0
 
-    def __init__(self, quiet: bool = False):
+    def __init__(self, quiet: bool = False, panel: str | None = None, show_text: bool = False):
         self.quiet = quiet
-        self.live = not quiet and stderr.is_terminal
+        self.live = not quiet and panel_capable()
         self._progress: Progress | None = None
         self._tasks: dict[str, int] = {}
         self._plain: dict[str, tuple[float, int, float]] = {}  # phase -> (t0, done at t0, last line)
+        self.panel = None
+        self.memory_probe = None  # () -> dict of memory figures (icecache_cli.live.memory_now)
+        self._mem_at = 0.0
+        self._pages0: tuple[int, int] | None = None  # (pages loaded, steps) at the last token
+        if self.live and panel:
+            from .live import LivePanel
+
+            self.panel = LivePanel(stderr, panel, show_text=show_text)
+            self.panel.start()
+
+    def phase(self, name: str) -> None:
+        if self.panel is not None:
+            self.panel.phase = name
+
+    def _refresh_memory(self, force: bool = False) -> None:
+        now = time.monotonic()
+        if self.panel is None or self.memory_probe is None or (not force and now - self._mem_at < 0.5):
+            return
+        self._mem_at = now
+        try:
+            self.panel.mem = self.memory_probe()
+        except Exception:  # noqa: BLE001 - a display must never break the run
+            pass
+
+    def token(self, tokens: list[int], max_tokens: int, step_seconds: list[float], cache=None) -> None:
+        self.step(len(tokens), max_tokens, step_seconds, cache)
+
+    def step(self, done: int, total: int, step_seconds: list[float], cache=None) -> None:
+        """A decode step happened (for the panel: count, latency, pages loaded, memory)."""
+        if self.panel is None:
+            return
+        self.panel.decode(done, total, step_seconds)
+        st = getattr(cache, "stats", None)
+        if st is not None and hasattr(st, "pages_loaded"):
+            now = (st.pages_loaded, st.steps)
+            if self._pages0 is not None and now[1] > self._pages0[1]:
+                self.panel.pages_per_step = (now[0] - self._pages0[0]) / (now[1] - self._pages0[1])
+            self._pages0 = now
+        self._refresh_memory()
 
     def info(self, message: str) -> None:
         if not self.quiet:
@@ -95,6 +159,11 @@ class Reporter:
     def progress(self, phase: str, done: int, total: int) -> None:
         if self.quiet:
             return
+        if self.panel is not None:
+            if phase == "prefill":
+                self.panel.prefill(done, total)
+                self._refresh_memory()
+            return
         if not self.live:
             self._plain_line(phase, done, total)
             return
@@ -103,7 +172,7 @@ class Reporter:
                 TextColumn("{task.description}"),
                 BarColumn(),
                 MofNCompleteColumn(),
-                TextColumn("tokens"),
+                TextColumn("{task.fields[unit]}"),
                 RateColumn(),
                 TimeRemainingColumn(),
                 console=stderr,
@@ -113,7 +182,7 @@ class Reporter:
             )
             self._progress.start()
         if phase not in self._tasks:
-            self._tasks[phase] = self._progress.add_task(phase, total=total)
+            self._tasks[phase] = self._progress.add_task(phase, total=total, unit=_unit(phase))
         self._progress.update(self._tasks[phase], completed=done, total=total)
 
     def _plain_line(self, phase: str, done: int, total: int) -> None:
@@ -127,18 +196,30 @@ class Reporter:
         self._plain[phase] = (started, done0, now)
         rate = (done - done0) / max(now - started, 1e-9)
         eta = (total - done) / rate if rate > 0 else 0.0
-        stderr.print(f"{phase}: {done}/{total} tokens, {rate:,.0f} tokens/s, about {eta:.0f} s left",
+        unit = _unit(phase)
+        speed = f"{rate:,.0f} {unit}/s" if rate >= 1 or rate == 0 else f"{60 * rate:,.1f} {unit}/min"
+        stderr.print(f"{phase}: {done}/{total} {unit}, {speed}, about {eta:.0f} s left",
                      style="dim", markup=False, soft_wrap=True)
 
     def close(self) -> None:
+        """End the progress bars (a table or result can follow); the panel stays."""
         self._plain.clear()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None
             self._tasks.clear()
 
+    def finish(self) -> None:
+        """Close, and leave the panel's last frame (with the final figures) on the terminal."""
+        self.close()
+        if self.panel is not None:
+            self._refresh_memory(force=True)
+            self.panel.phase = "done"
+            self.panel.stop()
+            self.panel = None
+
     def __enter__(self) -> Reporter:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.close()
+        self.finish()

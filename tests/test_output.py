@@ -12,7 +12,7 @@ from icecache_cli import output
 def test_plain_progress_lines_off_a_terminal(monkeypatch):
     buf = io.StringIO()
     monkeypatch.setattr(output, "stderr", Console(file=buf, force_terminal=False, width=120))
-    times = iter([100.0, 100.0, 102.0, 112.0, 113.0, 200.0, 215.0])
+    times = iter([100.0, 100.0, 102.0, 112.0, 113.0, 200.0, 215.0, 300.0, 330.0])
     monkeypatch.setattr(output.time, "monotonic", lambda: next(times))
     rep = output.Reporter()
     assert not rep.live
@@ -24,9 +24,13 @@ def test_plain_progress_lines_off_a_terminal(monkeypatch):
     rep.close()
     rep.progress("prefill", 100, 400)  # a new prefill: the clock starts again from its first report
     rep.progress("prefill", 250, 400)  # 15 s later: 150 tokens in 15 s
+    rep.close()
+    rep.progress("cells", 1, 10)  # eval counts cells, not tokens (here one per 30 s)
+    rep.progress("cells", 2, 10)
     lines = buf.getvalue().splitlines()
     assert lines == ["prefill: 600/1000 tokens, 50 tokens/s, about 8 s left",
-                     "prefill: 250/400 tokens, 10 tokens/s, about 15 s left"]
+                     "prefill: 250/400 tokens, 10 tokens/s, about 15 s left",
+                     "cells: 2/10 cells, 2.0 cells/min, about 240 s left"]
     quiet = output.Reporter(quiet=True)
     quiet.progress("prefill", 10, 20)
     assert buf.getvalue().splitlines() == lines

@@ -79,7 +79,7 @@ def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 
 
 
 def time_decode(session, logits, prefill_s: float, steps: int = 16,
-                warmup: int = 2) -> DecodeResult:
+                warmup: int = 2, on_step=None) -> DecodeResult:
     """Time ``steps`` greedy decode steps of a session whose cache holds the prompt, after
     ``warmup`` untimed ones (the first of which builds the index when the cache is not built
     yet: it counts in the time to the second token, ``prefill_s`` + that step)."""
@@ -101,6 +101,8 @@ def time_decode(session, logits, prefill_s: float, steps: int = 16,
                 stats0 = _stats(session.cache)
             if i >= warmup:
                 times.append(dt)
+            if on_step is not None:  # (steps done, steps in all, timed step seconds, session)
+                on_step(i + 1, warmup + steps, times, session)
     dev, host, sparse = kv_bytes(session.cache, settings.dense_layers)
     breakdown, loaded_pages = {}, 0.0
     s1 = _stats(session.cache)

@@ -73,7 +73,7 @@ def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 
 
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
-             max_seconds: float | None) -> BenchRow:
+             max_seconds: float | None, on_step=None) -> BenchRow:
     """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
     try:
         with PeakRss() as peak:
@@ -87,7 +87,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
                     return row
                 prefill_s += probe
                 warmup = max(0, warmup - 1)
-            r = time_decode(session, logits, prefill_s, steps, warmup)
+            r = time_decode(session, logits, prefill_s, steps, warmup, on_step=on_step)
     except (MemoryError, torch.OutOfMemoryError) as exc:
         row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
         return row
@@ -99,7 +99,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
 
 def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, warmup: int = 2,
             full_prefill_max: int = 32768, max_seconds: float | None = None,
-            log=lambda _m: None, on_progress=None) -> list[BenchRow]:
+            log=lambda _m: None, on_progress=None, on_step=None) -> list[BenchRow]:
     ids = context_ids(loaded.tokenizer, ctx)
     rows: list[BenchRow] = []
     if ctx <= full_prefill_max:
@@ -117,7 +117,8 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             row = BenchRow("ice", ctx, kv_source="own sparse prefill",
                            prefill_tok_s=len(ids) / stats.prefill_seconds)
             log(f"ice at {ctx} tokens: decoding ...")
-            rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds))
+            rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds,
+                                 on_step))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
         todo = [m for m in methods if m != "ice"]
         pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
@@ -134,7 +135,7 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
             rows.append(row)
             continue
-        rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds))
+        rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds, on_step))
         del session
         gc.collect()
     by = {r.method: r for r in rows if r.status == "ok"}

@@ -531,3 +531,13 @@ class IceCache(Cache):
 
     def host_kv_bytes(self) -> int:
         return sum(layer.host_bytes() for layer in self.ice_layers())
+
+    def pool_occupancy(self) -> float:
+        """Share of the decode page pools' slots holding a page (0 before the first step)."""
+        used = total = 0
+        for layer in self.ice_layers():
+            slots = getattr(layer, "slot_page", None)
+            if layer.decoding and slots is not None and slots.size:
+                used += int((slots >= 0).sum())
+                total += slots.size
+        return used / total if total else 0.0
