@@ -89,6 +89,10 @@ def prepare_model(method: str, model: Any, settings: Settings | None = None) -> 
         s = settings or Settings()
         name = oracle.register(s.budget, s.sink_pages * s.page_size, s.window_pages * s.page_size,
                                s.dense_layers, per="query" if method == "oracle-qhead" else "kv")
+    elif method == "dense":
+        from .cache.attention import register_dense
+
+        name = register_dense()
     else:
         name = "sdpa"
     if model.config._attn_implementation != name:

@@ -11,8 +11,27 @@ from icecache.methods import make_cache, prepare_model
 from tests.test_ice_cache import full_cache, run_steps, tiny_model
 
 
+@pytest.mark.parametrize("H,G,dtype", [(3, 3, torch.float32), (1, 4, torch.float32), (2, 1, torch.bfloat16)])
+def test_dense_decode_matches_the_reference(H, G, dtype):
+    from icecache.cache.attention import dense_decode, paged_decode_reference
+
+    torch.manual_seed(H * 10 + G)
+    q = torch.randn(1, H * G, 1, 16).to(dtype)
+    k = (3 * torch.randn(1, H, 777, 16)).to(dtype)
+    v = torch.randn(1, H, 777, 16).to(dtype)
+    got = dense_decode(q, k, v, 0.25)
+    ref = paged_decode_reference(q[0, :, 0].view(H, G, 16), k[0], v[0], torch.ones(H, 777, dtype=torch.bool), 0.25)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.view(H, G, 16).float(), ref.float(), atol=tol, rtol=tol)
+
+
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 1)])
-def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads):
+def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads, monkeypatch):
+    from icecache.cache import attention
+
+    calls = []
+    real = attention.dense_decode
+    monkeypatch.setattr(attention, "dense_decode", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch, kv_heads)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 97, 600).tolist()  # 2 chunks of 300: the second grows the buffer
@@ -24,6 +43,7 @@ def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads):
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
     assert cache.get_seq_length() == 620
+    assert len(calls) == 20 * model.config.num_hidden_layers  # every decode step took the fast path
     layer = cache.layers[0]
     assert layer.keys.shape[2] == 620 and layer._k.shape[2] == 600 + 256
     assert cache.device_kv_bytes() == sum(2 * lay._k.numel() * 4 for lay in cache.layers)

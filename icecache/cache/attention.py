@@ -38,6 +38,32 @@ def paged_decode_sdpa(q, k, v, valid, scaling):
     return out[:, 0]
 
 
+def dense_decode(query, key, value, scaling):
+    """One query token over a dense cache: each KV head's keys and values are read once, its
+    group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
+    took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
+    -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`paged_decode_reference` with
+    every row valid."""
+    Hq, d = query.shape[1], query.shape[3]
+    H = key.shape[1]
+    q = query[0, :, 0].reshape(H, Hq // H, d)
+    scores = torch.matmul(q, key[0].transpose(-1, -2))  # (H, G, T)
+    probs = torch.softmax(scores.float().mul_(scaling), dim=-1).to(value.dtype)
+    return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
+
+
+def dense_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """The ``dense`` method's attention: :func:`dense_decode` for a decode step of one
+    unpadded sequence, transformers' SDPA otherwise."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    if query.shape[0] == 1 and query.shape[2] == 1 and attention_mask is None:
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return dense_decode(query, key, value, scale), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                  dropout=dropout, **kwargs)
+
+
 def chunk_positions(C: int, n: int) -> np.ndarray:
     """``n`` positions of a chunk of ``C`` queries, evenly spread and ending at the last one."""
     return np.unique(np.linspace(0, C - 1, min(n, C)).round().astype(np.int64)) if C else np.empty(0, np.int64)
@@ -115,6 +141,8 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
         out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale)
         if out is not None:
             return out, None
+    if isinstance(layer, GrowingLayer) and C == 1 and B == 1 and attention_mask is None:
+        return dense_decode(query, key, value, scale), None
     if not isinstance(layer, IceLayer) or not layer.decoding:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
@@ -149,10 +177,19 @@ def register_attention(name: str, fn) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
+DENSE_NAME = "icecache_dense"
+
+
 def register() -> str:
     """Register the attention and its masks (the same as SDPA's) once; return the name."""
     global _registered
     if not _registered:
         register_attention(NAME, ice_attention)
+        register_attention(DENSE_NAME, dense_attention)
         _registered = True
     return NAME
+
+
+def register_dense() -> str:
+    register()
+    return DENSE_NAME
