@@ -36,10 +36,14 @@ def test_bench_command_both_kv_routes(tmp_path):
     for x in rows:
         assert x["status"] == "ok" and x["tpot_ms"] > 0 and x["tt2t_s"] > 0 and x["peak_rss_bytes"] > 0
         assert x["tpot_ratio_vs_full"] > 0 and x["tpot_ratio_vs_dense"] > 0
+        assert x["peak_device_bytes"] >= x["device_kv_bytes"] > 0
     assert {x["kv_source"] for x in rows if x["ctx"] == 300} == {"full prefill (shared)"}
     assert [x["kv_source"] for x in rows if x["ctx"] == 700] == [
         "sparse prefill (ice)", "sparse prefill (ice)", "own sparse prefill"]
     ice = [x for x in rows if x["method"] == "ice"]
+    # The sparse prefill keeps the ice layers' resident KV bounded: ice's peak is below full's.
+    by = {(x["method"], x["ctx"]): x for x in rows}
+    assert by[("ice", 700)]["peak_device_bytes"] < by[("full", 700)]["peak_device_bytes"]
     assert all(x["host_kv_bytes"] > 0 and set(x["breakdown_ms"]) >= {"index_query", "rest_of_model"}
                for x in ice)
     assert len((tmp_path / "results.jsonl").read_text().splitlines()) == 6

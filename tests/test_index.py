@@ -231,3 +231,32 @@ def test_small_first_insert_point_by_point_has_room_for_its_pages(n):
         t.insert(np.random.default_rng(seed).standard_normal((n, 16)).astype(np.float32))
         assert t.npages <= t.pcap
         check_invariants(t)
+
+
+def test_group_walk_scratch_grows_and_is_shared_by_trees(monkeypatch):
+    """A walk that outgrows its scratch is redone with more room: the same pages as with room
+    to spare; trees share one scratch per thread (a tree holds none of its own)."""
+    from icecache.index import tree as tree_mod
+
+    keys = clustered(20000)
+    queries = np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32)
+    a = DCITree(16, IndexConfig(page_size=8, beam=4, beam_frac=0.0))
+    a.insert(keys)
+    b = DCITree(16, IndexConfig(page_size=8, beam=4, beam_frac=0.0))
+    b.insert(keys[::-1].copy())
+    want_a = a.select_group(queries, 64, 8)
+    want_b = b.select_group(queries, 64, 8)
+    ids_a, sc_a = a.search_group(queries, 40)
+    tree_mod._scratch.arrays = {}  # a fresh, small scratch: the first walks overflow it
+    monkeypatch.setattr(tree_mod, "WALK_ROWS", 4)
+    monkeypatch.setattr(tree_mod, "WALK_ROWS_PER_BEAM", 1)
+    calls = []
+    real = tree_mod.group_scratch
+    monkeypatch.setattr(tree_mod, "group_scratch", lambda n, g, rows: calls.append(rows) or real(n, g, rows))
+    np.testing.assert_array_equal(a.select_group(queries, 64, 8), want_a)
+    assert len(calls) > 1 and calls == sorted(calls)  # grown, then done
+    np.testing.assert_array_equal(b.select_group(queries, 64, 8), want_b)
+    got_ids, got_sc = a.search_group(queries, 40)
+    np.testing.assert_array_equal(got_ids, ids_a)
+    assert not hasattr(a, "_gscr")
+    assert tree_mod._scratch.arrays["mark"].shape[0] >= a.n + 1

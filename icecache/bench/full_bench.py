@@ -42,6 +42,7 @@ class BenchRow:
     tpot_ms: float | None = None
     tpot_p90_ms: float | None = None
     device_kv_bytes: int | None = None
+    peak_device_bytes: int | None = None  # GPU: max_memory_allocated; CPU: the most KV resident
     host_kv_bytes: int | None = None
     peak_rss_bytes: int | None = None
     breakdown_ms: dict = field(default_factory=dict)
@@ -75,6 +76,12 @@ def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
              max_seconds: float | None, on_step=None) -> BenchRow:
     """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
+    from .decode_bench import kv_bytes
+
+    cuda = torch.cuda.is_available() and session.loaded.model.device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    resident_before = kv_bytes(session.cache, session.settings.dense_layers)[0] if session.cache is not None else 0
     try:
         with PeakRss() as peak:
             if max_seconds is not None:  # one untimed probe step decides whether to go on
@@ -93,6 +100,8 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
         return row
     row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = r.tt2t_s, r.tpot_ms, r.tpot_p90_ms
     row.device_kv_bytes, row.host_kv_bytes = r.device_kv_bytes, r.host_kv_bytes
+    row.peak_device_bytes = (torch.cuda.max_memory_allocated() if cuda
+                             else max(resident_before, r.device_kv_bytes))
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     return row
 

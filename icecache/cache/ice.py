@@ -254,6 +254,10 @@ class IceLayer(CacheLayerMixin):
         self.valid[:, self.win_at : self.win_at + w] = True
         # Host store: middle tokens in token order, one block of rows per KV head.
         self.host_cap = mid + max(256, mid // 8)  # room for decode evictions; grows by a quarter
+        if spec.sparse_prefill and self.expect > T:
+            # A sparse prefill announced its prompt: the store is sized for it once (growing by
+            # copies would hold two stores at a time).
+            self.host_cap = max(self.host_cap, self.expect - sink + 256)
         self.host_k = self.backend.host_empty((H, self.host_cap, d), self.host_dtype)
         self.host_v = self.backend.host_empty((H, self.host_cap, d), self.host_dtype)
         self.host_k[:, :mid] = k[:, sink : sink + mid].to("cpu")
@@ -277,7 +281,7 @@ class IceLayer(CacheLayerMixin):
             self.trees = []
             self.page_version = []
             for h in range(H):
-                tree = self._new_index(d, max(16, mid + 4 * S), h)
+                tree = self._new_index(d, max(16, mid + 4 * S, self.host_cap if spec.sparse_prefill else 0), h)
                 tree.insert(keys_np[h])
                 self.trees.append(tree)
                 self.page_version.append(np.zeros(max(64, tree.npages * 2), np.int64))

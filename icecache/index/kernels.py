@@ -440,9 +440,10 @@ def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_id
 
 
 @njit(nogil=True, cache=True)
-def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count, mark,
-                 scratch_ids, scratch_pages, scratch_scores):
-    """The group's shared walk down the tree; returns (rows scored, query norms).
+def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count, node_size,
+                 mark, scratch_ids, scratch_pages, scratch_scores):
+    """The group's shared walk down the tree; returns (rows scored, query norms), or -1 rows
+    when the scratch arrays are too short (the caller grows them and walks again).
 
     At each level the union of every query's ``beam`` best nodes is expanded, and each child is
     read once and scored against all queries (a GQA group's queries share one KV head, and
@@ -467,7 +468,10 @@ def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, c
     lvl = top_level
     while lvl >= 0:
         m = kept
+        rows = scratch_ids.shape[0]
         for f in range(frontier.shape[0]):
+            if m + node_size[frontier[f]] > rows:
+                return -1, norms
             m = _scan_node_shared(frontier[f], V, PX, first_page, next_page, members, count,
                                   scratch_ids, scratch_pages, scratch_scores, m)
         if lvl > 0 and m > kept:
@@ -489,17 +493,20 @@ def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, c
 
 @njit(nogil=True, cache=True)
 def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
-                        mark, scratch_ids, scratch_pages, scratch_scores, out_ids, out_scores):
+                        node_size, mark, scratch_ids, scratch_pages, scratch_scores, out_ids,
+                        out_scores):
     """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
 
     Each query keeps its own beam and its own top-``k``, chosen among everything the group
     scanned (on clustered test data this finds more of the true top keys than lone walks with
     the same beam). ``mark``: int64 per node (n + 1), reused across calls; ``scratch_scores``:
-    (n, g).
+    (rows, g). Returns False when the scratch was too short (nothing written).
     """
     g = queries.shape[0]
     kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members,
-                               count, mark, scratch_ids, scratch_pages, scratch_scores)
+                               count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    if kept < 0:
+        return False
     for r in range(g):
         col = scratch_scores[:kept, r].copy()
         kk = min(k, kept)
@@ -511,6 +518,7 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
             else:
                 out_ids[r, t] = -1
                 out_scores[r, t] = -np.inf
+    return True
 
 
 @njit(nogil=True, cache=True)
@@ -543,27 +551,32 @@ def best_pages(scratch_pages, scratch_scores, kept, r, max_pages):
 
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
-                        members, count, tok_page, mark, scratch_ids, scratch_pages,
+                        members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
                         scratch_scores):
     """``select_group`` with the shared walk of ``search_group_shared``.
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
     query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
-    its top-``k`` points: the same pages, without sorting ``k`` points per query.
+    its top-``k`` points: the same pages, without sorting ``k`` points per query. Returns
+    (pages, False) when the scratch was too short.
     """
     g = queries.shape[0]
     if k < max_pages * PX.shape[1]:
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
-        search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members,
-                            count, mark, scratch_ids, scratch_pages, scratch_scores, ids, scores)
-        return group_pages(ids, tok_page, max_pages)
+        if not search_group_shared(queries, k, beam, PX, top_level, first_page, next_page,
+                                   members, count, node_size, mark, scratch_ids, scratch_pages,
+                                   scratch_scores, ids, scores):
+            return np.empty(0, np.int32), False
+        return group_pages(ids, tok_page, max_pages), True
     kept, _ = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
-                           mark, scratch_ids, scratch_pages, scratch_scores)
+                           node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    if kept < 0:
+        return np.empty(0, np.int32), False
     lists = np.empty((g, max_pages), np.int32)
     lens = np.zeros(g, np.int64)
     for r in range(g):
         pages = best_pages(scratch_pages, scratch_scores, kept, r, max_pages)
         lists[r, : pages.shape[0]] = pages
         lens[r] = pages.shape[0]
-    return merge_ranked(lists, lens, max_pages)
+    return merge_ranked(lists, lens, max_pages), True

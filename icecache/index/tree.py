@@ -19,6 +19,7 @@ scratch: 450-600 B, i.e. about 2x the raw key (256 B); measured figures are prin
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -26,6 +27,32 @@ import numpy as np
 from . import kernels
 
 MAX_LEVELS = 12
+_scratch = threading.local()
+# Scanned rows a group walk's scratch starts with (it grows when a walk needs more).
+WALK_ROWS, WALK_ROWS_PER_BEAM = 8192, 64
+
+
+def group_scratch(n: int, g: int, rows: int):
+    """This thread's scratch for a group walk, shared by every tree it queries: ``mark`` (one
+    int64 per node, at least ``n + 1``; a call counter in slot 0 keeps stamps unique across
+    trees), and room for ``rows`` scanned rows (ids, pages, ``g`` scores each). Sized by what a
+    walk scans, not by the tree (a per-tree copy of ``n`` x ``g`` scores was the largest part of
+    a long sparse prefill's index memory)."""
+    arrays = getattr(_scratch, "arrays", None)
+    if arrays is None:
+        arrays = _scratch.arrays = {}
+    mark = arrays.get("mark")
+    if mark is None or mark.shape[0] < n + 1:
+        fresh = np.zeros(max(n + 1, 2 * (0 if mark is None else mark.shape[0])), np.int64)
+        if mark is not None:
+            fresh[0] = mark[0]
+        arrays["mark"] = mark = fresh
+    rows_now = arrays.get(("rows", g))
+    if rows_now is None or rows_now[0].shape[0] < rows:
+        size = max(rows, 2 * (0 if rows_now is None else rows_now[0].shape[0]))
+        rows_now = arrays[("rows", g)] = (np.empty(size, np.int32), np.empty(size, np.int32),
+                                          np.empty((size, g), np.float32))
+    return (mark, *rows_now)
 EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
 
 
@@ -80,12 +107,13 @@ class DCITree:
         self.M = 0.0
         self._rng = np.random.default_rng(self.cfg.seed)
         self._by_level: dict[int, list[np.ndarray]] = {}
-        self._gscr = None
         u = np.random.default_rng(self.cfg.seed + 7919).standard_normal(self.D)
         u[-1] = 0.0
         self.u = (u / np.linalg.norm(u)).astype(np.float32)
         self._alloc(max(16, capacity))
-        self._alloc_pages(max(16, capacity // 8))
+        # Pages for ~80% fill (bulk builds fill pages; later inserts split them; the page arrays
+        # then grow by a quarter). A page's transformed keys are most of the index's memory.
+        self._alloc_pages(max(16, capacity * 5 // (4 * self.cfg.page_size)))
 
     # -- storage ----------------------------------------------------------------------------
     POINT_ARRAYS = ("sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
@@ -373,11 +401,16 @@ class DCITree:
         ids, _ = self.search(queries, k)
         return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
 
-    def _group_scratch(self, g: int):
-        if self._gscr is None or self._gscr[2].shape[0] < self.n or self._gscr[2].shape[1] != g:
-            self._gscr = (np.zeros(self.cap + 1, np.int64), np.empty(self.cap, np.int32),
-                          np.empty((self.cap, g), np.float32))
-        return self._gscr
+    def _walk(self, g: int, call) -> object:
+        """Run a shared-walk kernel ``call(mark, ids, pages, scores) -> (result, ok)`` with this
+        thread's scratch, growing it until the walk fits."""
+        rows = min(self.n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * self.beam_for() * g))
+        while True:
+            mark, sid, spg, ssc = group_scratch(self.n, g, rows)
+            out, ok = call(mark, sid, spg, ssc)
+            if ok:
+                return out
+            rows = min(self.n, 2 * rows)
 
     def search_group(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Like :meth:`search`, the queries walking the tree together (shared page reads)."""
@@ -387,10 +420,9 @@ class DCITree:
         scores = np.full((h, k), -np.inf, np.float32)
         if self.n == 0:
             return ids, scores
-        mark, spg, ssc = self._group_scratch(h)
-        kernels.search_group_shared(
+        self._walk(h, lambda mark, sid, spg, ssc: (None, kernels.search_group_shared(
             queries, k, self.beam_for(), self.PX, self.top_level, self.first_page, self.next_page,
-            self.members, self.count, mark, self._sid, spg, ssc, ids, scores)
+            self.members, self.count, self.node_size, mark, sid, spg, ssc, ids, scores)))
         return ids, scores
 
     def select_group(self, queries: np.ndarray, k: int, max_pages: int) -> np.ndarray:
@@ -403,10 +435,10 @@ class DCITree:
         if self.n == 0:
             return np.empty(0, np.int32)
         if self.cfg.shared_walk:
-            mark, spg, ssc = self._group_scratch(queries.shape[0])
-            return kernels.select_group_shared(
+            return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
                 queries, k, max_pages, self.beam_for(), self.PX, self.top_level, self.first_page,
-                self.next_page, self.members, self.count, self.tok_page, mark, self._sid, spg, ssc)
+                self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
+                spg, ssc))
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
