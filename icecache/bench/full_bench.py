@@ -130,6 +130,10 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
                                  on_step))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
         todo = [m for m in methods if m != "ice"]
+        for layer in session.cache.ice_layers():  # the rebuild needs the stores, not the trees
+            layer.wait()
+            layer.trees = None
+        gc.collect()
         pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
                         stats.prefill_seconds)
         del session
