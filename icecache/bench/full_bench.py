@@ -53,6 +53,14 @@ class BenchRow:
         return asdict(self)
 
 
+def release_current_cache() -> None:
+    """Forget the ice attention's pointer to the last cache used (it would keep a finished
+    method's host store alive while the next method runs)."""
+    from ..cache import ice
+
+    ice._current.cache = None
+
+
 def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Every layer's keys and values (1, H, T, d) in token order, rebuilt from an ice cache."""
     from ..cache import GrowingLayer, IceLayer
@@ -137,6 +145,7 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
                         stats.prefill_seconds)
         del session
+        release_current_cache()
         gc.collect()
     for method in todo:
         log(f"{method} at {ctx} tokens: decoding ...")
@@ -150,6 +159,7 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             continue
         rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds, on_step))
         del session
+        release_current_cache()
         gc.collect()
     by = {r.method: r for r in rows if r.status == "ok"}
     for r in rows:
