@@ -25,34 +25,6 @@ def test_dense_decode_matches_the_reference(H, G, dtype):
     torch.testing.assert_close(got.view(H, G, 16).float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("T", [1, 300, 5000])
-def test_dense_decode_kernel_matches_the_matrix_products(T, monkeypatch):
-    """The numba pass over a growing cache's buffer (long contexts on CPU) against the torch
-    products it replaces, on a view of the first T rows of a larger buffer."""
-    from icecache.cache import attention
-
-    torch.manual_seed(T)
-    q = torch.randn(1, 6, 1, 32)
-    kb, vb = 2 * torch.randn(1, 3, T + 77, 32), torch.randn(1, 3, T + 77, 32)
-    k, v = kb[:, :, :T], vb[:, :, :T]
-    monkeypatch.setattr(attention, "DENSE_KERNEL", False)
-    ref = attention.dense_decode(q, k, v, 0.2)
-    monkeypatch.setattr(attention, "DENSE_KERNEL", True)
-    monkeypatch.setattr(attention, "DENSE_KERNEL_MIN", 1)
-    called = []
-    from icecache.cache import kernels
-
-    real = kernels.dense_decode_blocks
-    monkeypatch.setattr(kernels, "dense_decode_blocks", lambda *a, **kw: called.append(1) or real(*a, **kw))
-    got = attention.dense_decode(q, k, v, 0.2)
-    assert called  # the kernel ran
-    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    # A layout it cannot read in place (rows not contiguous) takes the matrix products.
-    got2 = attention.dense_decode(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.2)
-    torch.testing.assert_close(got2, ref, atol=1e-5, rtol=1e-5)
-    assert len(called) == 1
-
-
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 1)])
 def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads, monkeypatch):
     from icecache.cache import attention

@@ -8,7 +8,6 @@ in plain torch (the reference any faster kernel is tested against).
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -39,21 +38,6 @@ def paged_decode_sdpa(q, k, v, valid, scaling):
     return out[:, 0]
 
 
-DENSE_KERNEL = os.environ.get("ICECACHE_DENSE_KERNEL", "1") != "0"
-DENSE_KERNEL_MIN = 16384  # shorter caches: the matrix products win (no thread hand-off)
-
-
-def _rows_buffer(t: torch.Tensor):
-    """(H, n, d) whose rows are contiguous per head (a growing cache's view of its first n
-    rows) as the C-contiguous (H, capacity, d) array it lies in; None if it is not laid out so."""
-    H, n, d = t.shape
-    sh, sr, sd = t.stride()
-    if sd != 1 or sr != d or sh % d or sh < n * d:
-        return None
-    full = torch.as_strided(t, (H, sh // d, d), (sh, d, 1))
-    return full.numpy()
-
-
 def dense_decode(query, key, value, scaling):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
@@ -63,16 +47,6 @@ def dense_decode(query, key, value, scaling):
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
-    if (key.device.type == "cpu" and key.dtype == torch.float32 and key.shape[2] >= DENSE_KERNEL_MIN
-            and DENSE_KERNEL):
-        # Long contexts on CPU: one parallel pass over the keys and values (numba), 20-30% faster
-        # than the two matrix products below, which are its reference.
-        from .kernels import dense_decode_blocks
-
-        k, v = _rows_buffer(key[0]), _rows_buffer(value[0])
-        if k is not None and v is not None:
-            out = dense_decode_blocks(q.float().contiguous().numpy(), k, v, key.shape[2], scaling)
-            return torch.from_numpy(out).to(query.dtype).reshape(1, 1, Hq, d)
     scores = torch.matmul(q, key[0].transpose(-1, -2))  # (H, G, T)
     probs = torch.softmax(scores.float().mul_(scaling), dim=-1).to(value.dtype)
     return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)

@@ -7,7 +7,7 @@ the two on random pool states.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit
 
 
 @njit(nogil=True, cache=True)
@@ -78,57 +78,3 @@ def plan_head_reference(want, slot_page, slot_version, slot_fill, version, membe
         inuse[s] = True
     valid = (inuse[:, None] & (np.arange(S)[None, :] < slot_fill[:, None])).reshape(-1)
     return np.array(src, np.int64), np.array(dst, np.int64), valid, len(missing)
-
-
-@njit(parallel=True, fastmath=True, cache=True)
-def _decode_blocks(q, k, v, T, scale, m_out, l_out, o_out):
-    """Blocks of a dense decode step: for each block of rows, each KV head's group of queries,
-    the block's max score, sum of exponentials and unnormalized output (combined by the caller).
-
-    q (H, G, d); k, v (H, >= T, d) C-contiguous, rows 0..T-1 used: each key and value row is
-    read once for the whole group.
-    """
-    H, G, d = q.shape
-    nb = m_out.shape[0]
-    step = (T + nb - 1) // nb
-    for b in prange(nb):
-        lo = b * step
-        hi = min(T, lo + step)
-        s = np.empty(max(hi - lo, 1), np.float32)
-        for h in range(H):
-            for g in range(G):
-                mx = np.float32(-np.inf)
-                for t in range(lo, hi):
-                    acc = np.float32(0.0)
-                    for j in range(d):
-                        acc += q[h, g, j] * k[h, t, j]
-                    acc *= scale
-                    s[t - lo] = acc
-                    if acc > mx:
-                        mx = acc
-                tot = np.float32(0.0)
-                for j in range(d):
-                    o_out[b, h, g, j] = 0.0
-                for t in range(lo, hi):
-                    p = np.exp(s[t - lo] - mx)
-                    tot += p
-                    for j in range(d):
-                        o_out[b, h, g, j] += p * v[h, t, j]
-                m_out[b, h, g] = mx
-                l_out[b, h, g] = tot
-
-
-def dense_decode_blocks(q: np.ndarray, k: np.ndarray, v: np.ndarray, T: int, scale: float,
-                        blocks: int = 32) -> np.ndarray:
-    """Attention of q (H, G, d) over rows 0..T-1 of k, v (H, >= T, d; C-contiguous float32,
-    e.g. a growing cache's whole buffer), in one pass over the keys and values (parallel over
-    row blocks, merged by log-sum-exp). Returns (H, G, d)."""
-    H, G, d = q.shape
-    nb = max(1, min(blocks, T // 256))
-    m = np.empty((nb, H, G), np.float32)
-    lsum = np.empty((nb, H, G), np.float32)
-    o = np.empty((nb, H, G, d), np.float32)
-    _decode_blocks(q, k, v, T, np.float32(scale), m, lsum, o)
-    top = m.max(0)
-    w = np.exp(m - top)
-    return (o * w[..., None]).sum(0) / (lsum * w).sum(0)[..., None]
