@@ -4,7 +4,7 @@
 #   make test       the default test suite (CPU, a few minutes)
 #   make test-slow  the slow tests and measurements
 #   make lint       ruff
-#   make bench      the measurements quoted in docs/results.md (about 30 minutes on 2 cores)
+#   make bench      the measurements quoted in docs/results.md (about 90 minutes on 2 cores)
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -45,6 +45,8 @@ bench: setup
 	$(VENV)/bin/icecache bench decode --ctx 16k,32k --methods full,ice,ice-reuse,streaming
 	$(VENV)/bin/icecache eval --tasks passkey --methods full,ice,streaming --budgets 64,128,256 --lengths 2k,4k,6k --n 10
 	$(VENV)/bin/icecache eval --tasks fidelity --methods full,ice,oracle --budgets 64,256 --lengths 4k --n 4
+	$(VENV)/bin/icecache bench --ctx 8k,128k --methods full,dense,ice,ice-reuse,quest --decode-steps 8
+	$(VENV)/bin/icecache bench --ctx 250k --methods ice --decode-steps 8
 
 clean-venv:
 	rm -rf $(VENV)
