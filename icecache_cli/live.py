@@ -45,19 +45,25 @@ def rss_bytes() -> int:
         return 0
 
 
+def cache_kv_bytes(cache) -> tuple[int, int]:
+    """(resident KV bytes: device pool + dense layers, host-store bytes) of any cache."""
+    if cache is None:
+        return 0, 0
+    if hasattr(cache, "device_kv_bytes"):
+        host = cache.host_kv_bytes() if hasattr(cache, "host_kv_bytes") else 0
+        return int(cache.device_kv_bytes()), int(host)
+    return int(sum(2 * layer.keys.numel() * layer.keys.element_size()
+                   for layer in getattr(cache, "layers", [])
+                   if getattr(layer, "keys", None) is not None)), 0
+
+
 def memory_now(cache) -> dict:
     """Resident KV (device pool + dense layers), pool occupancy, host store, RSS, GPU allocation."""
-    out = {"rss_bytes": rss_bytes()}
-    if cache is not None and hasattr(cache, "device_kv_bytes"):
-        out["device_kv_bytes"] = cache.device_kv_bytes()
-        out["host_kv_bytes"] = cache.host_kv_bytes() if hasattr(cache, "host_kv_bytes") else 0
-        occ = getattr(cache, "pool_occupancy", None)
-        if occ is not None:
-            out["pool_occupancy"] = occ()
-    elif cache is not None:
-        out["device_kv_bytes"] = sum(
-            2 * layer.keys.numel() * layer.keys.element_size() for layer in getattr(cache, "layers", [])
-            if getattr(layer, "keys", None) is not None)
+    dev, host = cache_kv_bytes(cache)
+    out = {"rss_bytes": rss_bytes(), "device_kv_bytes": dev, "host_kv_bytes": host}
+    occ = getattr(cache, "pool_occupancy", None)
+    if occ is not None:
+        out["pool_occupancy"] = occ()
     try:
         import torch
 

@@ -31,7 +31,7 @@ stderr = Console(stderr=True, highlight=False)
 
 
 def write_out(text: str) -> None:
-    """Write part of a result to stdout now (streamed text); a closed pipe ends quietly."""
+    """Write (part of) a result to stdout now. A reader that went away ends the program quietly."""
     try:
         sys.stdout.write(text)
         sys.stdout.flush()
@@ -41,13 +41,8 @@ def write_out(text: str) -> None:
 
 
 def emit(text: str) -> None:
-    """Write a result to stdout. A reader that went away ends the program quietly."""
-    try:
-        sys.stdout.write(text if text.endswith("\n") else text + "\n")
-        sys.stdout.flush()
-    except BrokenPipeError:
-        silence_stdout()
-        raise typer.Exit(0) from None
+    """Write a result to stdout, ending its line."""
+    write_out(text if text.endswith("\n") else text + "\n")
 
 
 def silence_stdout() -> None:
@@ -78,13 +73,17 @@ class RateColumn(ProgressColumn):
         if not speed:
             return Text("")
         unit = "tok" if task.fields.get("unit", "tokens") == "tokens" else task.fields["unit"]
-        text = f"{speed:,.0f} {unit}/s" if speed >= 1 else f"{60 * speed:,.1f} {unit}/min"
-        return Text(text, style="progress.data.speed")
+        return Text(rate_text(speed, unit), style="progress.data.speed")
 
 
 def _unit(phase: str) -> str:
     """What a phase counts: tokens (prefill, decode, capture) or its own name (cells, ...)."""
     return "tokens" if phase in ("prefill", "decode", "capture") else phase
+
+
+def rate_text(rate: float, unit: str) -> str:
+    """``N unit/s``, or ``N unit/min`` below one a second (eval cells)."""
+    return f"{rate:,.0f} {unit}/s" if rate >= 1 or rate == 0 else f"{60 * rate:,.1f} {unit}/min"
 
 
 def panel_capable() -> bool:
@@ -197,8 +196,7 @@ class Reporter:
         rate = (done - done0) / max(now - started, 1e-9)
         eta = (total - done) / rate if rate > 0 else 0.0
         unit = _unit(phase)
-        speed = f"{rate:,.0f} {unit}/s" if rate >= 1 or rate == 0 else f"{60 * rate:,.1f} {unit}/min"
-        stderr.print(f"{phase}: {done}/{total} {unit}, {speed}, about {eta:.0f} s left",
+        stderr.print(f"{phase}: {done}/{total} {unit}, {rate_text(rate, unit)}, about {eta:.0f} s left",
                      style="dim", markup=False, soft_wrap=True)
 
     def close(self) -> None:

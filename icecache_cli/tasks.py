@@ -16,7 +16,7 @@ from icecache.methods import check_method, check_prefill
 from icecache.models import check_device, load_model
 from icecache.tasks import SUMMARY_REPETITION_PENALTY, Runner, TaskResult
 
-from .live import TextStream, memory_now, same_terminal
+from .live import TextStream, cache_kv_bytes, memory_now, same_terminal
 from .output import Reporter, emit, panel_capable, user_errors, write_out
 
 FileArg = Annotated[
@@ -219,14 +219,8 @@ def memory_figures(cache) -> dict:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    dev = host = 0
-    if cache is not None and hasattr(cache, "device_kv_bytes"):
-        dev = cache.device_kv_bytes()
-        host = cache.host_kv_bytes() if hasattr(cache, "host_kv_bytes") else 0
-    elif cache is not None:
-        dev = sum(2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
-                  if getattr(layer, "keys", None) is not None)
-    return {"peak_rss_bytes": int(peak), "device_kv_bytes": int(dev), "host_kv_bytes": int(host)}
+    dev, host = cache_kv_bytes(cache)
+    return {"peak_rss_bytes": int(peak), "device_kv_bytes": dev, "host_kv_bytes": host}
 
 
 def render_text(result: TaskResult) -> str:

@@ -141,7 +141,6 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         for layer in session.cache.ice_layers():  # the rebuild needs the stores, not the trees
             layer.wait()
             layer.trees = None
-        gc.collect()
         pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
                         stats.prefill_seconds)
         del session

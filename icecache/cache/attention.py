@@ -141,8 +141,9 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
         out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale)
         if out is not None:
             return out, None
-    if isinstance(layer, GrowingLayer) and C == 1 and B == 1 and attention_mask is None:
-        return dense_decode(query, key, value, scale), None
+    if isinstance(layer, GrowingLayer):  # a dense layer: the dense method's attention
+        return dense_attention(module, query, key, value, attention_mask, scaling=scaling,
+                               dropout=dropout, **kwargs)
     if not isinstance(layer, IceLayer) or not layer.decoding:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)

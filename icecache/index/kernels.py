@@ -8,7 +8,8 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
 
 - The transformed keys (D float32 each) live only in ``PX``, page-major, at the point's
   ``tok_page``/``tok_slot``; the kernels that place or parent new points take those points' rows
-  (``rows``) from the caller. ``proj``: (cap,) float32 projection on the tree's random direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
+  (``rows``) from the caller. ``proj``: (cap,) float32 projection on the tree's random
+  direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
 - ``first_page``: (cap + 1,) int32, a node's first child page (-1: none); ``node_size``:
   (cap + 1,) int32 children per node.
 - pages: ``members`` (pcap, S) int32 point ids; ``count`` (pcap,); ``next_page`` (pcap,) the

@@ -27,9 +27,10 @@ import numpy as np
 from . import kernels
 
 MAX_LEVELS = 12
-_scratch = threading.local()
+EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
 # Scanned rows a group walk's scratch starts with (it grows when a walk needs more).
 WALK_ROWS, WALK_ROWS_PER_BEAM = 8192, 64
+_scratch = threading.local()
 
 
 def group_scratch(n: int, g: int, rows: int):
@@ -53,7 +54,6 @@ def group_scratch(n: int, g: int, rows: int):
         rows_now = arrays[("rows", g)] = (np.empty(size, np.int32), np.empty(size, np.int32),
                                           np.empty((size, g), np.float32))
     return (mark, *rows_now)
-EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
 
 
 @dataclass(frozen=True)
