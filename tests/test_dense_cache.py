@@ -25,6 +25,46 @@ def test_dense_decode_matches_the_reference(H, G, dtype):
     torch.testing.assert_close(got.view(H, G, 16).float(), ref.float(), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("G", [1, 3, 4, 6])
+def test_dense_scores_kernel_matches_the_product(G):
+    """numba's scores over the first n rows of a larger buffer against q @ k.T (every G: the
+    kernel takes the group four queries at a time)."""
+    from icecache.cache.kernels import dense_scores
+
+    rng = np.random.default_rng(G)
+    q = rng.standard_normal((2, G, 24)).astype(np.float32)
+    k = rng.standard_normal((2, 1000, 24)).astype(np.float32)
+    out = np.full((2, G, 937), np.nan, np.float32)
+    dense_scores(q, k, 937, out)
+    np.testing.assert_allclose(out, q @ k[:, :937].transpose(0, 2, 1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("T", [1, 300, 5000])
+def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
+    """The numba path of dense_decode (long caches on CPU) against its matrix products, on a
+    view of the first T rows of a larger buffer; a layout it cannot read in place (rows not
+    contiguous) takes the products."""
+    from icecache.cache import attention, kernels
+
+    torch.manual_seed(T)
+    q = torch.randn(1, 6, 1, 32)
+    kb, vb = 2 * torch.randn(1, 3, T + 77, 32), torch.randn(1, 3, T + 77, 32)
+    k, v = kb[:, :, :T], vb[:, :, :T]
+    monkeypatch.setattr(attention, "DENSE_KERNEL", False)
+    ref = attention.dense_decode(q, k, v, 0.2)
+    monkeypatch.setattr(attention, "DENSE_KERNEL", True)
+    monkeypatch.setattr(attention, "DENSE_KERNEL_MIN", 1)
+    called = []
+    real = kernels.dense_scores
+    monkeypatch.setattr(kernels, "dense_scores", lambda *a: called.append(1) or real(*a))
+    got = attention.dense_decode(q, k, v, 0.2)
+    assert called == [1]
+    torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
+    got2 = attention.dense_decode(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.2)
+    torch.testing.assert_close(got2, ref, atol=1e-5, rtol=1e-5)
+    assert called == [1]
+
+
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 1)])
 def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads, monkeypatch):
     from icecache.cache import attention

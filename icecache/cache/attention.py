@@ -8,6 +8,7 @@ in plain torch (the reference any faster kernel is tested against).
 
 from __future__ import annotations
 
+import os
 import time
 
 import numpy as np
@@ -38,6 +39,20 @@ def paged_decode_sdpa(q, k, v, valid, scaling):
     return out[:, 0]
 
 
+DENSE_KERNEL = os.environ.get("ICECACHE_DENSE_KERNEL", "1") != "0"
+DENSE_KERNEL_MIN = 4096  # shorter caches: the products below (no hand-off to numba's threads)
+
+
+def _rows_buffer(t: torch.Tensor):
+    """(H, n, d) whose rows are contiguous per head (a growing cache's view of its first n rows)
+    as the C-contiguous (H, capacity, d) NumPy array it lies in; None if it is not laid out so."""
+    H, n, d = t.shape
+    sh, sr, sd = t.stride()
+    if sd != 1 or sr != d or sh % d or sh < n * d:
+        return None
+    return torch.as_strided(t, (H, sh // d, d), (sh, d, 1)).numpy()
+
+
 def dense_decode(query, key, value, scaling):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
@@ -47,6 +62,17 @@ def dense_decode(query, key, value, scaling):
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
+    T = key.shape[2]
+    if (DENSE_KERNEL and T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
+            and key.dtype == torch.float32 and query.dtype == torch.float32):
+        k = _rows_buffer(key[0])
+        if k is not None:  # numba scores the keys (see kernels.dense_scores); torch does the rest
+            from .kernels import dense_scores
+
+            scores = torch.empty((H, Hq // H, T), dtype=torch.float32)
+            dense_scores(q.detach().contiguous().numpy(), k, T, scores.numpy())
+            probs = torch.softmax(scores.mul_(scaling), dim=-1)
+            return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
     scores = torch.matmul(q, key[0].transpose(-1, -2))  # (H, G, T)
     probs = torch.softmax(scores.float().mul_(scaling), dim=-1).to(value.dtype)
     return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
