@@ -259,4 +259,29 @@ def test_group_walk_scratch_grows_and_is_shared_by_trees(monkeypatch):
     got_ids, got_sc = a.search_group(queries, 40)
     np.testing.assert_array_equal(got_ids, ids_a)
     assert not hasattr(a, "_gscr")
-    assert tree_mod._scratch.arrays["mark"].shape[0] >= a.n + 1
+    assert tree_mod._scratch.arrays[("mark", 0)].shape[0] >= a.n + 1
+
+
+def test_select_layer_equals_per_tree_selection(monkeypatch):
+    """A layer's heads walked in parallel by one numba call pick what each tree picks alone,
+    call after call, also when a head's scratch is too short (it is redone alone) and when the
+    trees are of different sizes."""
+    from icecache.index import tree as tree_mod
+
+    trees = []
+    for h, n in enumerate((4000, 2500, 6000)):
+        t = DCITree(16, IndexConfig(page_size=8, beam=5, beam_frac=0.0))
+        t.insert(clustered(n, seed=20 + h))
+        trees.append(t)
+    queries = np.stack([clustered(3, seed=30 + h) for h in range(3)])  # (H, G, d)
+    for pages in (2, 6):
+        want = [t.select_group(queries[h], pages * 8, pages) for h, t in enumerate(trees)]
+        for _ in range(2):
+            got = tree_mod.select_layer(trees, queries, pages * 8, pages)
+            assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    tree_mod._scratch.arrays = {}  # small scratch: the parallel walks overflow and are redone
+    monkeypatch.setattr(tree_mod, "WALK_ROWS", 4)
+    monkeypatch.setattr(tree_mod, "WALK_ROWS_PER_BEAM", 1)
+    got = tree_mod.select_layer(trees, queries, 48, 6)
+    want = [t.select_group(queries[h], 48, 6) for h, t in enumerate(trees)]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want]

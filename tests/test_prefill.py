@@ -4,6 +4,7 @@ the sparse (chunk-by-chunk page selection) prefill against full attention."""
 from __future__ import annotations
 
 import dataclasses
+import threading
 
 import numpy as np
 import pytest
@@ -46,10 +47,22 @@ def test_pipelined_prefill_builds_the_same_cache_as_serial(reuse):
     rng = np.random.default_rng(5)
     prompt, forced = rng.integers(0, 97, 260).tolist(), rng.integers(0, 97, 25).tolist()
     caches, logits = [], []
-    for pipeline in (True, False):
-        cache = ice(model, dataclasses.replace(spec(budget_pages=6), pipeline=pipeline), reuse=reuse)
-        logits.append(chunked(model, cache, prompt, forced, chunk=64))
-        caches.append(cache)
+    from icecache.cache import ice as ice_mod
+
+    jobs = []
+    real = ice_mod._submit
+    ice_mod._submit = lambda fn, *a: jobs.append(fn) or real(fn, *a)
+    try:
+        for pipeline in (True, False):
+            cache = ice(model, dataclasses.replace(spec(budget_pages=6), pipeline=pipeline), reuse=reuse)
+            logits.append(chunked(model, cache, prompt, forced, chunk=64))
+            caches.append(cache)
+    finally:
+        ice_mod._submit = real
+    assert jobs  # the pipelined prefill ran work in the background ...
+    # ... and its worker thread ended once idle (an idle OpenMP master slows the model's ops)
+    assert ice_mod._bg is None
+    assert not [t for t in threading.enumerate() if t.name.startswith(ice_mod.BG_PREFIX)]
     for a, b in zip(*logits, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     for la, lb in zip(caches[0].ice_layers(), caches[1].ice_layers(), strict=True):

@@ -21,7 +21,7 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 
 @njit(nogil=True, cache=True)
@@ -581,3 +581,23 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
         lists[r, : pages.shape[0]] = pages
         lens[r] = pages.shape[0]
     return merge_ranked(lists, lens, max_pages), True
+
+
+@njit(parallel=True, cache=True)
+def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
+                        members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
+                        lens, ok):
+    """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
+    (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
+    head's scratch come as tuples indexed by head. Writes head h's pages to ``out[h, :lens[h]]``; ``ok[h]`` False when its
+    scratch was too short (nothing written for it)."""
+    H = queries.shape[0]
+    for h in prange(H):
+        pages, good = select_group_shared(
+            queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
+            members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
+            sscs[h])
+        ok[h] = good
+        lens[h] = pages.shape[0]
+        for i in range(pages.shape[0]):
+            out[h, i] = pages[i]
