@@ -42,10 +42,10 @@ lint: setup
 
 bench: setup
 	$(VENV)/bin/icecache bench index --keys 8k,128k
-	$(VENV)/bin/icecache bench decode --ctx 16k,32k --methods full,ice,ice-reuse,streaming
+	$(VENV)/bin/icecache bench decode --ctx 16k,32k --methods full,dense,ice,ice-reuse,streaming
 	$(VENV)/bin/icecache eval --tasks passkey --methods full,ice,streaming --budgets 64,128,256 --lengths 2k,4k,6k --n 10
 	$(VENV)/bin/icecache eval --tasks fidelity --methods full,ice,oracle --budgets 64,256 --lengths 4k --n 4
-	$(VENV)/bin/icecache bench --ctx 8k,128k --methods full,dense,ice,ice-reuse,quest --decode-steps 8
+	$(VENV)/bin/icecache bench --ctx 8k,128k --methods full,dense,ice --decode-steps 16
 	$(VENV)/bin/icecache bench --ctx 250k --methods ice --decode-steps 8
 
 clean-venv:
