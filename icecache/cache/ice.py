@@ -43,7 +43,6 @@ _current = threading.local()  # the cache whose layer was updated last (read by 
 
 # A layer's KV heads queried by one numba call, in parallel (index.tree.select_layer).
 PARALLEL_HEADS = os.environ.get("ICECACHE_PARALLEL_HEADS", "1") != "0"
-_pool = None
 _bg = None
 _bg_jobs = 0  # submitted and not finished
 _bg_lock = threading.Lock()
@@ -89,16 +88,6 @@ def _retire_worker() -> None:
             return
         bg, _bg = _bg, None
     bg.shutdown(wait=True)
-
-
-def _workers():
-    """A thread pool for per-head index queries, or None (the default: on 2 cores, threads next
-    to torch's own slowed a decode step down, 120 vs 99 ms at 8k; ICECACHE_QUERY_THREADS=N)."""
-    global _pool
-    if _pool is None:
-        n = int(os.environ.get("ICECACHE_QUERY_THREADS", "1"))
-        _pool = ThreadPoolExecutor(max_workers=n, thread_name_prefix="icecache") if n > 1 else False
-    return _pool or None
 
 
 def current_cache():
@@ -464,16 +453,11 @@ class IceLayer(CacheLayerMixin):
         qn = q.detach().float().cpu().numpy()
         k = P * self.spec.page_size
 
-        def one(h: int) -> np.ndarray:
-            return self.trees[h].select_group(qn[h * G : (h + 1) * G], k, P)
-
-        pool = _workers()
-        if PARALLEL_HEADS and self.H > 1 and all(isinstance(t, DCITree) for t in self.trees):
+        if PARALLEL_HEADS:
             self.selected = select_layer(self.trees, qn.reshape(self.H, G, -1), k, P)
-        elif pool is None or self.H == 1:
-            self.selected = [one(h) for h in range(self.H)]
-        else:  # the numba kernels release the GIL: heads in parallel
-            self.selected = list(pool.map(one, range(self.H)))
+        else:
+            self.selected = [t.select_group(qn[h * G : (h + 1) * G], k, P)
+                             for h, t in enumerate(self.trees)]
         self.stats.query_s += time.perf_counter() - t0
 
     def load(self) -> None:

@@ -589,8 +589,8 @@ def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pag
                         lens, ok):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
     (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
-    head's scratch come as tuples indexed by head. Writes head h's pages to ``out[h, :lens[h]]``; ``ok[h]`` False when its
-    scratch was too short (nothing written for it)."""
+    head's scratch come as tuples indexed by head. Writes head h's pages to
+    ``out[h, :lens[h]]``; ``ok[h]`` is False when its scratch was too short (nothing written)."""
     H = queries.shape[0]
     for h in prange(H):
         pages, good = select_group_shared(

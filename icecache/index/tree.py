@@ -33,6 +33,11 @@ WALK_ROWS, WALK_ROWS_PER_BEAM = 8192, 64
 _scratch = threading.local()
 
 
+def walk_rows(n: int, beam: int, g: int) -> int:
+    """Scanned rows a group walk's scratch starts with."""
+    return min(n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * beam * g))
+
+
 def group_scratch(n: int, g: int, rows: int, slot: int = 0):
     """This thread's scratch for a group walk, shared by every tree it queries: ``mark`` (one
     int64 per node, at least ``n + 1``; a call counter in slot 0 keeps stamps unique across
@@ -405,7 +410,7 @@ class DCITree:
     def _walk(self, g: int, call) -> object:
         """Run a shared-walk kernel ``call(mark, ids, pages, scores) -> (result, ok)`` with this
         thread's scratch, growing it until the walk fits."""
-        rows = min(self.n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * self.beam_for() * g))
+        rows = walk_rows(self.n, self.beam_for(), g)
         while True:
             mark, sid, spg, ssc = group_scratch(self.n, g, rows)
             out, ok = call(mark, sid, spg, ssc)
@@ -460,13 +465,14 @@ class DCITree:
 
 def select_layer(trees: list[DCITree], queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
     """``trees[h].select_group(queries[h], k, max_pages)`` for every KV head h of a layer, the
-    heads walked in parallel by one numba call (shared walks; per-tree calls otherwise).
+    heads walked in parallel by one numba call (DCI-trees with shared walks; per-tree calls for
+    other indexes).
 
     queries: (H, G, d). On this 2-core CPU a decode step's index queries are memory bound (a
     core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
     """
     H = len(trees)
-    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
+    if H < 2 or not all(isinstance(t, DCITree) and t.cfg.shared_walk and t.n > 0 for t in trees):
         return [t.select_group(queries[h], k, max_pages) for h, t in enumerate(trees)]
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     g = queries.shape[1]
@@ -474,8 +480,8 @@ def select_layer(trees: list[DCITree], queries: np.ndarray, k: int, max_pages: i
     out = np.empty((H, max_pages), np.int32)
     lens = np.zeros(H, np.int64)
     ok = np.zeros(H, np.bool_)
-    scratch = [group_scratch(t.n, g, min(t.n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * int(beams[h]) * g)),
-                             slot=h) for h, t in enumerate(trees)]
+    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h]), g), slot=h)
+               for h, t in enumerate(trees)]
     kernels.select_heads_shared(
         queries, k, max_pages, beams, tuple(t.PX for t in trees),
         np.array([t.top_level for t in trees], np.int64), tuple(t.first_page for t in trees),
