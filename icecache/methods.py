@@ -1,63 +1,111 @@
-"""The KV-cache methods a run can use, and the cache object each one puts into the model.
+"""The KV-cache methods a run can use, as data: one frozen record per method.
 
-``full`` keeps every key and value (transformers' dense cache and SDPA attention: what a
-transformers user gets); ``dense`` is the same attention over the project's in-place growing
-dense cache (no per-step copy of the whole cache). ``ice`` is the
-IceCache paged cache (:mod:`icecache.cache`); ``ice-reuse`` its variant where only every
-``reuse_every``-th layer queries its index. ``streaming`` is the same paged cache with sink and
-window pages only (StreamingLLM); ``oracle`` keeps the dense cache and lets each KV head's
-query heads attend to the exact top-``budget`` tokens of the group plus sink and window
-(``oracle-qhead``: each query head its own top tokens); upper bounds, not methods. The baselines are registered here as they arrive;
-naming one that is not built yet is a clear error.
+A :class:`Method` says which attention function the model runs with, which cache object holds
+the sequence, which page selector (``icecache.cache.selectors``) an ice-family cache queries, and
+what the command line may combine it with (a budget, a sparse prefill). Adding a method is one
+record here (and, for a new way of choosing pages, one selector class).
+
+- ``full``: transformers' own dense cache and SDPA attention (the reference a user knows);
+- ``dense``: the same attention over the project's in-place growing dense cache;
+- ``ice``: the IceCache paged cache; ``ice-reuse``: only every ``reuse_every``-th layer queries
+  its index, the others reuse its selection;
+- ``streaming`` (sink + window pages only), ``quest`` (token-order pages, key bounds), ``snapkv``
+  (the prompt end votes once): baselines in the same paged cache;
+- ``oracle`` / ``oracle-qhead``: exact top tokens over the dense cache, per KV head / per query
+  head: upper bounds, not methods.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from .config import Settings
 from .errors import MethodUnavailable, UsageError
 
-AVAILABLE = ("full", "dense", "ice", "ice-reuse", "oracle", "oracle-qhead", "streaming", "quest", "snapkv")
-PLANNED: tuple[str, ...] = ()
-# The paged cache: streaming selects no pages, quest selects token-order pages by key bounds.
-ICE_FAMILY = ("ice", "ice-reuse", "streaming", "quest", "snapkv")
-SELECTOR = {"quest": "quest", "snapkv": "snapkv"}
+
+@dataclass(frozen=True)
+class Method:
+    """One KV-cache method.
+
+    ``cache``: ``"sdpa"`` (transformers' ``DynamicCache``), ``"dense"`` (growing dense layers),
+    ``"paged"`` (:class:`~icecache.cache.IceCache`) or ``"oracle"`` (dense layers, exact top-k
+    attention). ``selector``: the paged cache's page selector (registry name). ``budgeted``:
+    whether ``--budget`` means anything to it. ``sparse_prefill``: whether ``--prefill sparse``
+    can run it (a chunk needs pages chosen by an index). ``reuse``: ice-reuse's layer sharing.
+    ``oracle_per``: whose budget the oracle's top tokens are (``kv`` or ``query`` head).
+    """
+
+    name: str
+    summary: str
+    cache: str
+    selector: str | None = None
+    budgeted: bool = True
+    sparse_prefill: bool = False
+    reuse: bool = False
+    oracle_per: str = "kv"
 
 
-SPARSE_PREFILL = ("ice", "ice-reuse", "streaming", "quest")  # methods a sparse prefill can use
+METHODS: dict[str, Method] = {m.name: m for m in (
+    Method("full", "the whole KV cache, transformers' own (the reference)", "sdpa", budgeted=False),
+    Method("dense", "the whole KV cache, growing in place (no per-step copy)", "dense", budgeted=False),
+    Method("ice", "IceCache: budget pages chosen by the DCI-tree, the rest on the host", "paged",
+           selector="dci", sparse_prefill=True),
+    Method("ice-reuse", "ice where only every --reuse-every-th layer queries its index", "paged",
+           selector="dci", sparse_prefill=True, reuse=True),
+    Method("oracle", "upper bound: exact top tokens per KV head over the dense cache", "oracle"),
+    Method("oracle-qhead", "upper bound: exact top tokens per query head (G x the memory)", "oracle",
+           oracle_per="query"),
+    Method("streaming", "StreamingLLM: sink and window pages only", "paged", selector="streaming",
+           budgeted=False, sparse_prefill=True),
+    Method("quest", "Quest: token-order pages ranked by per-channel key bounds", "paged",
+           selector="quest", sparse_prefill=True),
+    Method("snapkv", "SnapKV: the prompt's last queries choose the tokens once", "paged",
+           selector="snapkv"),
+)}
+
+
+def names() -> tuple[str, ...]:
+    return tuple(METHODS)
+
+
+def method_help() -> str:
+    """One line per method, for ``--help``."""
+    return "; ".join(f"{m.name}: {m.summary}" for m in METHODS.values())
+
+
+def get(name: str) -> Method:
+    try:
+        return METHODS[name]
+    except KeyError:
+        raise MethodUnavailable(f"unknown method '{name}' (available: {', '.join(METHODS)})") from None
+
+
+def check_method(method: str) -> str:
+    return get(method).name
 
 
 def check_prefill(method: str, settings: Settings) -> None:
     """A sparse prefill selects pages per chunk: only the paged methods with an index can."""
-    if settings.prefill == "sparse" and method not in SPARSE_PREFILL:
-        raise UsageError(f"--prefill sparse works with {', '.join(SPARSE_PREFILL)}, not '{method}'")
+    if settings.prefill == "sparse" and not get(method).sparse_prefill:
+        able = ", ".join(m.name for m in METHODS.values() if m.sparse_prefill)
+        raise UsageError(f"--prefill sparse works with {able}, not '{method}'")
 
 
-def check_method(method: str) -> str:
-    if method in AVAILABLE:
-        return method
-    if method in PLANNED:
-        raise MethodUnavailable(
-            f"method '{method}' is not available yet in this version; use one of {', '.join(AVAILABLE)}"
-        )
-    planned = f"; planned: {', '.join(PLANNED)}" if PLANNED else ""
-    raise MethodUnavailable(f"unknown method '{method}' (available: {', '.join(AVAILABLE)}{planned})")
-
-
-def ice_spec(settings: Settings, pages: bool = True, selector: str = "dci"):
+def ice_spec(settings: Settings, method: Method):
+    """The paged cache's spec for ``method`` under ``settings`` (budget in pages from here on)."""
     from .cache import IceSpec
     from .index import IndexConfig
 
     return IceSpec(
         page_size=settings.page_size,
-        budget_pages=settings.budget_pages if pages else 0,
+        budget_pages=settings.budget_pages if method.budgeted else 0,
         sink_tokens=settings.sink_pages * settings.page_size,
         window_tokens=settings.window_pages * settings.page_size,
         # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
         index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
                           beam=settings.index_beam, beam_frac=settings.index_beam_frac),
-        selector=selector,
+        selector=method.selector or "dci",
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
         prefill_pages=settings.prefill_budget // settings.page_size,
@@ -77,45 +125,44 @@ def host_dtype(settings: Settings) -> str | None:
     return None if settings.host_dtype == settings.dtype else settings.host_dtype
 
 
+def attention_name(method: Method) -> str:
+    """Register (once) and return the attention implementation ``method`` runs with."""
+    if method.cache == "sdpa":
+        return "sdpa"
+    from .cache import attention
+
+    return attention.register(method.cache)
+
+
 def prepare_model(method: str, model: Any, settings: Settings | None = None) -> None:
     """Select the attention implementation ``method`` needs (the model is shared by runs)."""
-    if method in ICE_FAMILY:
-        from .cache import register
-
-        name = register()
-    elif method in ("oracle", "oracle-qhead"):
-        from .cache import oracle
-
-        s = settings or Settings()
-        name = oracle.register(s.budget, s.sink_pages * s.page_size, s.window_pages * s.page_size,
-                               s.dense_layers, per="query" if method == "oracle-qhead" else "kv")
-    elif method == "dense":
-        from .cache.attention import register_dense
-
-        name = register_dense()
-    else:
-        name = "sdpa"
+    name = attention_name(get(method))
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
 
 
 def make_cache(method: str, model: Any, settings: Settings) -> Any:
     """A fresh cache object for one sequence under ``method``."""
-    check_method(method)
+    m = get(method)
     check_prefill(method, settings)
     prepare_model(method, model, settings)
-    if method in ICE_FAMILY:
+    layers = model.config.num_hidden_layers
+    if m.cache == "paged":
         from .cache import IceCache
 
-        return IceCache(
-            model.config.num_hidden_layers,
-            ice_spec(settings, pages=method != "streaming", selector=SELECTOR.get(method, "dci")),
-            dense_layers=settings.dense_layers,
-            reuse_every=settings.reuse_every if method == "ice-reuse" else 1, device=model.device)
-    if method == "dense":
+        return IceCache(layers, ice_spec(settings, m), dense_layers=settings.dense_layers,
+                        reuse_every=settings.reuse_every if m.reuse else 1, device=model.device)
+    if m.cache == "oracle":
+        from .cache import OracleCache, OracleSpec
+
+        page = settings.page_size
+        return OracleCache(layers, OracleSpec(budget=settings.budget, sink=settings.sink_pages * page,
+                                              window=settings.window_pages * page,
+                                              dense_layers=settings.dense_layers, per=m.oracle_per))
+    if m.cache == "dense":
         from .cache import DenseCache
 
-        return DenseCache(model.config.num_hidden_layers)
+        return DenseCache(layers)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)

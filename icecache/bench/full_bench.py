@@ -56,9 +56,9 @@ class BenchRow:
 def release_current_cache() -> None:
     """Forget the ice attention's pointer to the last cache used (it would keep a finished
     method's host store alive while the next method runs)."""
-    from ..cache import ice
+    from ..cache import current
 
-    ice._current.cache = None
+    current.forget()
 
 
 def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -154,10 +154,11 @@ def windowed_dense(query, key, value, sink: int, window: int, scaling):
 def ice_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
+    from .current import current
     from .dense import GrowingLayer
-    from .ice import IceLayer, current_cache
+    from .ice import IceLayer
 
-    cache = current_cache()
+    cache = current()
     layer = cache.layers[module.layer_idx] if cache is not None else None
     B, Hq, C, d = query.shape
     scale = scaling if scaling is not None else d ** -0.5
@@ -204,19 +205,23 @@ def register_attention(name: str, fn) -> None:
     AttentionMaskInterface.register(name, sdpa_mask)
 
 
-DENSE_NAME = "icecache_dense"
+NAMES = {"paged": NAME, "dense": "icecache_dense", "oracle": "icecache_oracle", "record": "icecache_record"}
 
 
-def register() -> str:
-    """Register the attention and its masks (the same as SDPA's) once; return the name."""
+def _functions() -> dict:
+    from .oracle import oracle_attention
+    from .record import record_attention
+
+    return {"paged": ice_attention, "dense": dense_attention, "oracle": oracle_attention,
+            "record": record_attention}
+
+
+def register(kind: str = "paged") -> str:
+    """Register the attention of a cache kind (``paged``, ``dense``, ``oracle``, ``record``)
+    with transformers, once; return its name."""
     global _registered
     if not _registered:
-        register_attention(NAME, ice_attention)
-        register_attention(DENSE_NAME, dense_attention)
+        for k, fn in _functions().items():
+            register_attention(NAMES[k], fn)
         _registered = True
-    return NAME
-
-
-def register_dense() -> str:
-    register()
-    return DENSE_NAME
+    return NAMES[kind]

@@ -34,12 +34,10 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 
 from ..index import DCITree, IndexConfig
 from ..index.tree import select_layer
+from . import current
 from .backend import TorchBackend
 from .dense import GrowingLayer
 from .kernels import plan_head
-
-_current = threading.local()  # the cache whose layer was updated last (read by the attention)
-
 
 # A layer's KV heads queried by one numba call, in parallel (index.tree.select_layer).
 PARALLEL_HEADS = os.environ.get("ICECACHE_PARALLEL_HEADS", "1") != "0"
@@ -88,10 +86,6 @@ def _retire_worker() -> None:
             return
         bg, _bg = _bg, None
     bg.shutdown(wait=True)
-
-
-def current_cache():
-    return getattr(_current, "cache", None)
 
 
 @dataclass(frozen=True)
@@ -529,7 +523,7 @@ class IceCache(Cache):
         self.num_dense = dense_layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
-        _current.cache = self
+        current.set_current(self)
         if layer_idx == self.num_dense and key_states.shape[2] == 1:
             self.stats.steps += 1
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)

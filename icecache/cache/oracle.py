@@ -1,4 +1,4 @@
-"""The oracle baseline: exact top-k tokens by attention (the paper's TOP-k), dense cache.
+"""The oracle bound: exact top-k tokens by attention (the paper's TOP-k) over a dense cache.
 
 At a decode step every query head attends to the sink tokens, the window tokens and ``budget``
 middle tokens chosen exactly from all of them. ``per`` says whose budget it is:
@@ -7,57 +7,80 @@ middle tokens chosen exactly from all of them. ``per`` says whose budget it is:
   any query head of the group: the same resident memory as the paged methods' budget;
 - ``query``: one set per query head (its own top tokens), i.e. G times the memory under GQA.
 
-No real system can afford this selection; it bounds what a page selector can reach.
+No real system can afford this selection; it bounds what a page selector can reach. Its settings
+travel with its cache (:class:`OracleCache`), which the attention finds through
+:mod:`icecache.cache.current`.
 """
 
 from __future__ import annotations
 
-import torch
+from dataclasses import dataclass
 
-NAME = "icecache_oracle"
-_registered = False
-_spec = {"budget": 256, "sink": 32, "window": 32, "per": "kv"}
+import torch
+from transformers.cache_utils import Cache
+
+from . import current
+from .dense import GrowingLayer
+
+
+@dataclass(frozen=True)
+class OracleSpec:
+    budget: int = 256  # middle tokens kept per KV head (per query head with per="query")
+    sink: int = 32
+    window: int = 32
+    dense_layers: int = 2  # layers below this attend to everything
+    per: str = "kv"  # "kv" or "query"
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        """scores (H, G, T) of one decode step -> the tokens each query head attends to."""
+        H, G, T = scores.shape
+        keep = torch.zeros_like(scores, dtype=torch.bool)
+        keep[..., : min(self.sink, T)] = True
+        keep[..., max(0, T - self.window) :] = True
+        lo, hi = min(self.sink, T), max(min(self.sink, T), T - self.window)
+        if hi - lo <= self.budget:
+            keep[..., lo:hi] = True
+        elif self.per == "query":
+            top = scores[..., lo:hi].topk(self.budget, dim=-1).indices + lo
+            keep.scatter_(-1, top, True)
+        else:  # one set per KV head: the group's largest probabilities
+            probs = torch.softmax(scores, dim=-1)[..., lo:hi].amax(dim=1)  # (H, mid)
+            top = probs.topk(self.budget, dim=-1).indices + lo
+            keep.scatter_(-1, top[:, None, :].expand(H, G, self.budget), True)
+        return keep
+
+
+class OracleCache(Cache):
+    """Dense growing layers carrying the oracle's spec for its attention."""
+
+    def __init__(self, num_layers: int, spec: OracleSpec):
+        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+        self.spec = spec
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        current.set_current(self)
+        return super().update(key_states, value_states, layer_idx, *args, **kwargs)
+
+    def device_kv_bytes(self) -> int:
+        return sum(layer.device_bytes() for layer in self.layers)
 
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """A decode step of a sparse layer: each query head over its kept tokens; SDPA otherwise."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-    dense = getattr(module, "layer_idx", 0) < _spec.get("dense_layers", 2)
-    if query.shape[2] != 1 or dense:
+    cache = current.current()
+    spec = cache.spec if isinstance(cache, OracleCache) else OracleSpec()
+    if query.shape[2] != 1 or getattr(module, "layer_idx", 0) < spec.dense_layers:
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
     B, Hq, _, d = query.shape
-    H, T = key.shape[1], key.shape[2]
+    H = key.shape[1]
     G = Hq // H
     scale = scaling if scaling is not None else d ** -0.5
     q = query[0, :, 0].view(H, G, d).float()
     k, v = key[0].float(), value[0].float()
     scores = torch.einsum("hgd,htd->hgt", q, k) * scale
-    sink, window, budget = _spec["sink"], _spec["window"], _spec["budget"]
-    keep = torch.zeros_like(scores, dtype=torch.bool)
-    keep[..., : min(sink, T)] = True
-    keep[..., max(0, T - window) :] = True
-    lo, hi = min(sink, T), max(min(sink, T), T - window)
-    if hi - lo > budget and _spec["per"] == "query":
-        top = scores[..., lo:hi].topk(budget, dim=-1).indices + lo
-        keep.scatter_(-1, top, True)
-    elif hi - lo > budget:  # one set per KV head: the group's largest probabilities
-        probs = torch.softmax(scores, dim=-1)[..., lo:hi].amax(dim=1)  # (H, mid)
-        top = probs.topk(budget, dim=-1).indices + lo
-        keep.scatter_(-1, top[:, None, :].expand(H, G, budget), True)
-    else:
-        keep[..., lo:hi] = True
-    probs = torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = torch.softmax(scores.masked_fill(~spec.keep(scores), float("-inf")), dim=-1)
     out = torch.einsum("hgt,htd->hgd", probs, v).to(query.dtype)
     return out.reshape(1, 1, Hq, d), None
-
-
-def register(budget: int, sink: int, window: int, dense_layers: int, per: str = "kv") -> str:
-    global _registered
-    _spec.update(budget=budget, sink=sink, window=window, dense_layers=dense_layers, per=per)
-    if not _registered:
-        from .attention import register_attention
-
-        register_attention(NAME, oracle_attention)
-        _registered = True
-    return NAME

@@ -12,8 +12,6 @@ import threading
 
 import torch
 
-NAME = "icecache_record"
-_registered = False
 _state = threading.local()
 
 
@@ -43,10 +41,6 @@ def record_attention(module, query, key, value, attention_mask, scaling=None, dr
 
 
 def register() -> str:
-    global _registered
-    if not _registered:
-        from .attention import register_attention
+    from .attention import register as register_kind
 
-        register_attention(NAME, record_attention)
-        _registered = True
-    return NAME
+    return register_kind("record")

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from .. import methods as methods_
 from ..errors import UsageError
 from ..generation import Prefilled, Session, prefill_once
 from ..index.capture import generated_text
@@ -21,7 +22,6 @@ from . import fidelity, passkey, ruler
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
 DATA_TASKS = ("gsm8k", "longbench")  # these read --data
 NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
-BUDGETLESS = ("full", "dense", "streaming")  # streaming keeps sink + window only
 
 
 @dataclass(frozen=True)
@@ -40,7 +40,7 @@ def cells(tasks, methods, budgets, lengths) -> list[Cell]:
     for task in tasks:
         for length in lengths:
             for method in methods:
-                for budget in ([0] if method in BUDGETLESS else budgets):
+                for budget in (budgets if methods_.get(method).budgeted else [0]):
                     out.append(Cell(task, method, budget, length))
     return out
 
