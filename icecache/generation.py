@@ -71,7 +71,7 @@ class Prefilled:
     kv: list[tuple[torch.Tensor, torch.Tensor]]  # per layer: keys, values (1, H, T, d)
     logits: torch.Tensor  # at the last prompt position
     seconds: float
-    obs_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # SnapKV's votes
+    obs_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt-end queries per layer
 
 
 @torch.inference_mode()
@@ -117,7 +117,9 @@ class Session:
         # new token (the live panel and streamed text read it).
         self.on_token: Callable[[list[int], GenerationStats], None] | None = None
 
-    def _forward(self, ids: list[int]) -> torch.Tensor:
+    def forward(self, ids: list[int]) -> torch.Tensor:
+        """Run ``ids`` (prompt chunk or one new token) through the model into the cache; return
+        the logits at the last position. One decode step is ``forward([token])``."""
         model = self.loaded.model
         x = torch.tensor([ids], dtype=torch.long, device=model.device)
         out = model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
@@ -140,15 +142,11 @@ class Session:
     @torch.inference_mode()
     def adopt(self, pre: Prefilled) -> None:
         """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
-        from .cache import IceLayer
-
         self.cache = make_cache(self.method, self.loaded.model, self.settings)
         for i, (k, v) in enumerate(pre.kv):
-            layer = self.cache.layers[i]
-            if isinstance(layer, IceLayer) and layer.spec.selector == "snapkv":
-                q = pre.obs_queries.get(i)
-                if q is not None:
-                    layer.obs_q = q[:, -layer.spec.observation :]
+            q = pre.obs_queries.get(i)
+            if q is not None and hasattr(self.cache, "observe"):
+                self.cache.observe(i, q)  # the prompt-end queries, for a selector that votes
             self.cache.update(k.clone(), v.clone(), i)
         self.cached_ids = list(pre.ids)
 
@@ -194,7 +192,7 @@ class Session:
         if hasattr(self.cache, "begin_prefill"):
             self.cache.begin_prefill(len(ids) - start)
         for lo in range(start, len(ids), chunk):
-            logits = self._forward(ids[lo : lo + chunk])
+            logits = self.forward(ids[lo : lo + chunk])
             report("prefill", min(lo + chunk, len(ids)) - start, len(ids) - start)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
@@ -220,7 +218,7 @@ class Session:
             if len(out) >= max_new_tokens:
                 break
             t_step = time.perf_counter()
-            logits = self._forward([token])
+            logits = self.forward([token])
             stats.step_seconds.append(time.perf_counter() - t_step)
         stats.decode_seconds = time.perf_counter() - t_dec
         stats.tokens_out = len(out)

@@ -13,7 +13,8 @@ from tests.test_ice_cache import full_cache, run_steps, tiny_model
 
 @pytest.mark.parametrize("H,G,dtype", [(3, 3, torch.float32), (1, 4, torch.float32), (2, 1, torch.bfloat16)])
 def test_dense_decode_matches_the_reference(H, G, dtype):
-    from icecache.cache.attention import dense_decode, paged_decode_reference
+    from icecache.cache.dense import dense_decode
+    from icecache.cache.paged import paged_decode_reference
 
     torch.manual_seed(H * 10 + G)
     q = torch.randn(1, H * G, 1, 16).to(dtype)
@@ -44,34 +45,34 @@ def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
     """The numba path of dense_decode (long caches on CPU) against its matrix products, on a
     view of the first T rows of a larger buffer; a layout it cannot read in place (rows not
     contiguous) takes the products."""
-    from icecache.cache import attention, kernels
+    from icecache.cache import dense, kernels
 
     torch.manual_seed(T)
     q = torch.randn(1, 6, 1, 32)
     kb, vb = 2 * torch.randn(1, 3, T + 77, 32), torch.randn(1, 3, T + 77, 32)
     k, v = kb[:, :, :T], vb[:, :, :T]
-    monkeypatch.setattr(attention, "DENSE_KERNEL", False)
-    ref = attention.dense_decode(q, k, v, 0.2)
-    monkeypatch.setattr(attention, "DENSE_KERNEL", True)
-    monkeypatch.setattr(attention, "DENSE_KERNEL_MIN", 1)
+    monkeypatch.setattr(dense, "DENSE_KERNEL", False)
+    ref = dense.dense_decode(q, k, v, 0.2)
+    monkeypatch.setattr(dense, "DENSE_KERNEL", True)
+    monkeypatch.setattr(dense, "DENSE_KERNEL_MIN", 1)
     called = []
     real = kernels.dense_scores
     monkeypatch.setattr(kernels, "dense_scores", lambda *a: called.append(1) or real(*a))
-    got = attention.dense_decode(q, k, v, 0.2)
+    got = dense.dense_decode(q, k, v, 0.2)
     assert called == [1]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)
-    got2 = attention.dense_decode(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.2)
+    got2 = dense.dense_decode(q, k.transpose(1, 2).contiguous().transpose(1, 2), v, 0.2)
     torch.testing.assert_close(got2, ref, atol=1e-5, rtol=1e-5)
     assert called == [1]
 
 
 @pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("qwen3", 2), ("qwen2", 1)])
 def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads, monkeypatch):
-    from icecache.cache import attention
+    from icecache.cache import dense
 
     calls = []
-    real = attention.dense_decode
-    monkeypatch.setattr(attention, "dense_decode", lambda *a: calls.append(1) or real(*a))
+    real = dense.dense_decode
+    monkeypatch.setattr(dense, "dense_decode", lambda *a: calls.append(1) or real(*a))
     model = tiny_model(arch, kv_heads)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 97, 600).tolist()  # 2 chunks of 300: the second grows the buffer

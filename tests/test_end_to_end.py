@@ -76,9 +76,9 @@ def test_chunked_prefill_matches_one_shot(loaded, cpu_settings):
     with torch.inference_mode():
         one._start(ids)
         chunked._start(ids)
-        a = one._forward(ids)
+        a = one.forward(ids)
         for lo in range(0, len(ids), 64):
-            b = chunked._forward(ids[lo : lo + 64])
+            b = chunked.forward(ids[lo : lo + 64])
     torch.testing.assert_close(a, b, atol=2e-4, rtol=1e-4)
     k1 = one.cache.layers[5].keys
     k2 = chunked.cache.layers[5].keys

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from icecache.cache import IceCache, IceSpec, paged_decode_reference
-from icecache.cache.attention import paged_decode_sdpa
+from icecache.cache.paged import paged_decode_sdpa
 from icecache.index import IndexConfig
 from icecache.methods import make_cache, prepare_model
 
@@ -77,8 +77,8 @@ def test_budget_covering_everything_equals_full(arch, kv_heads):
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
     layer = cache.ice_layers()[0]
-    assert layer.length == 190 and layer.sink_len + layer.mid + layer.win_fill == 190
-    assert layer.mid > 150 - 8 - 8  # pages left the window for the host store and the index
+    assert layer.length == 190 and layer.resident.sink_fill + layer.store.rows + layer.resident.window_fill == 190
+    assert layer.store.rows > 150 - 8 - 8  # pages left the window for the host store and the index
     assert cache.stats.steps == 40 and cache.stats.pages_loaded > 0
 
 
@@ -96,7 +96,7 @@ def test_float16_host_store_halves_host_bytes_and_stays_close():
     half = ice_cache(model, half_spec)
     got = run_steps(model, half, prompt, forced)
     layer = half.ice_layers()[0]
-    assert layer.host_k.dtype == torch.float16 and layer.res_k.dtype == torch.float32
+    assert layer.store.keys.dtype == torch.float16 and layer.resident.keys.dtype == torch.float32
     assert 2 * half.host_kv_bytes() == wide.host_kv_bytes() > 0
     err = max(float((b - a).abs().max()) for a, b in zip(ref, got, strict=True))
     assert 0 < err < 2e-2
@@ -158,7 +158,7 @@ def test_snapkv_selector_keeps_prompt_tokens_fixed():
         for t in run_steps_more:
             model(input_ids=torch.tensor([[t]]), past_key_values=small, use_cache=True)
     assert all((a == b).all() for a, b in zip(before, layer.selected, strict=True))
-    tree = layer.trees[0]
+    tree = layer.selector.indexes[0]
     assert tree.npages == 3 and tree.count.sum() == 12  # 3 pages x 4 tokens chosen by the votes
 
 
@@ -173,7 +173,7 @@ def test_reuse_variant_with_full_budget_equals_full():
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
     layers = cache.ice_layers()
     assert layers[0].anchor is None and layers[1].anchor is layers[0] and layers[2].anchor is None
-    assert not hasattr(layers[1], "trees")
+    assert layers[1].selector is None and layers[0].selector.indexes
 
 
 def test_small_budget_pool_accounting():
@@ -191,22 +191,23 @@ def test_small_budget_pool_accounting():
             model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
     assert layer.device_bytes() == size_before  # the pool does not grow with the context
     S, P = 4, 3
-    assert layer.length == 335 and layer.sink_len + layer.mid + layer.win_fill == 335
-    for h in range(layer.H):
-        tree = layer.trees[h]
+    r, store = layer.resident, layer.store
+    assert layer.length == 335 and r.sink_fill + store.rows + r.window_fill == 335
+    for h in range(layer.heads):
+        tree = layer.selector.indexes[h]
         want = set(layer.selected[h].tolist())
         assert 0 < len(want) <= P
-        pool_valid = layer.valid[h, layer.pool_at : layer.win_at].reshape(P, S)
+        pool_valid = r.valid[h, r.pool_at : r.window_at].reshape(P, S)
         for s in range(P):
-            page = int(layer.slot_page[h, s])
+            page = int(r.slot_page[h, s])
             if page not in want:
                 assert not pool_valid[s].any()
                 continue
             members = tree.members[page, : tree.count[page]]
             assert pool_valid[s].sum() == len(members)
-            rows = layer.res_k[h, layer.pool_at + s * S : layer.pool_at + s * S + len(members)]
-            torch.testing.assert_close(rows, layer.host_k[h, members])
-        assert {int(p) for p in layer.slot_page[h] if p >= 0} >= want
+            rows = r.keys[h, r.pool_at + s * S : r.pool_at + s * S + len(members)]
+            torch.testing.assert_close(rows, store.keys[h, members])
+        assert {int(p) for p in r.slot_page[h] if p >= 0} >= want
     # Everything the model saw is somewhere: sink + host store + window.
     assert cache.host_kv_bytes() > 0 and cache.device_kv_bytes() > 0
 

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from icecache.cache import IceCache
-from icecache.cache.attention import chunk_positions, paged_chunk_reference, paged_chunk_sdpa, windowed_dense
+from icecache.cache.dense import windowed_dense
+from icecache.cache.paged import chunk_positions, paged_chunk_reference, paged_chunk_sdpa
 from icecache.errors import UsageError
 from icecache.methods import make_cache, prepare_model
 
@@ -47,30 +48,31 @@ def test_pipelined_prefill_builds_the_same_cache_as_serial(reuse):
     rng = np.random.default_rng(5)
     prompt, forced = rng.integers(0, 97, 260).tolist(), rng.integers(0, 97, 25).tolist()
     caches, logits = [], []
-    from icecache.cache import ice as ice_mod
+    from icecache.cache.worker import THREAD_PREFIX, WORKER
 
     jobs = []
-    real = ice_mod._submit
-    ice_mod._submit = lambda fn, *a: jobs.append(fn) or real(fn, *a)
+    real = WORKER.submit
+    WORKER.submit = lambda fn, *a: jobs.append(fn) or real(fn, *a)
     try:
         for pipeline in (True, False):
             cache = ice(model, dataclasses.replace(spec(budget_pages=6), pipeline=pipeline), reuse=reuse)
             logits.append(chunked(model, cache, prompt, forced, chunk=64))
             caches.append(cache)
     finally:
-        ice_mod._submit = real
+        del WORKER.submit
     assert jobs  # the pipelined prefill ran work in the background ...
     # ... and its worker thread ended once idle (an idle OpenMP master slows the model's ops)
-    assert ice_mod._bg is None
-    assert not [t for t in threading.enumerate() if t.name.startswith(ice_mod.BG_PREFIX)]
+    assert not WORKER.alive
+    assert not [t for t in threading.enumerate() if t.name.startswith(THREAD_PREFIX)]
     for a, b in zip(*logits, strict=True):
         torch.testing.assert_close(a, b, atol=0, rtol=0)
     for la, lb in zip(caches[0].ice_layers(), caches[1].ice_layers(), strict=True):
-        assert la.decoding and lb.decoding and la.keys is None
-        torch.testing.assert_close(la.res_k, lb.res_k, atol=0, rtol=0)
-        torch.testing.assert_close(la.host_k[:, : la.mid], lb.host_k[:, : lb.mid], atol=0, rtol=0)
+        assert la.offloaded and lb.offloaded and la.keys is None
+        torch.testing.assert_close(la.resident.keys, lb.resident.keys, atol=0, rtol=0)
+        torch.testing.assert_close(la.store.keys[:, : la.store.rows], lb.store.keys[:, : lb.store.rows],
+                                   atol=0, rtol=0)
         if la.anchor is None:
-            for ta, tb in zip(la.trees, lb.trees, strict=True):
+            for ta, tb in zip(la.selector.indexes, lb.selector.indexes, strict=True):
                 np.testing.assert_array_equal(ta.members[: ta.npages], tb.members[: tb.npages])
     assert caches[0].stats.index_build_s > 0
 
@@ -101,10 +103,11 @@ def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reu
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
     layer = cache.ice_layers()[0]
-    assert layer.length == 330 and layer.sink_len + layer.mid + layer.win_fill == 330
+    r = layer.resident
+    assert layer.length == 330 and r.sink_fill + layer.store.rows + r.window_fill == 330
     # after the prefill the resident buffer shrank to the decode pool and one page of slack
-    assert layer.win_cap == s.window_tokens + s.page_size
-    assert layer.L == s.sink_tokens + 256 * 4 + layer.win_cap
+    assert r.window_cap == s.window_tokens + s.page_size
+    assert r.rows == s.sink_tokens + 256 * 4 + r.window_cap
 
 
 def test_sparse_prefill_memory_stays_bounded():
@@ -125,8 +128,8 @@ def test_sparse_prefill_memory_stays_bounded():
         cache.end_prefill()
     assert len(set(sizes)) == 1  # resident bytes do not grow with the prompt
     layer = cache.ice_layers()[0]
-    assert layer.mid >= 640 - 8 - 8 - 32 and cache.host_kv_bytes() > 0
-    assert sum(len(t.members[: t.npages]) for t in layer.trees) > 0
+    assert layer.store.rows >= 640 - 8 - 8 - 32 and cache.host_kv_bytes() > 0
+    assert sum(len(t.members[: t.npages]) for t in layer.selector.indexes) > 0
 
 
 def test_chunk_attention_sdpa_matches_reference():

@@ -92,7 +92,7 @@ def time_decode(session, logits, prefill_s: float, steps: int = 16,
         stats0 = None
         for i in range(warmup + steps):
             t = time.perf_counter()
-            logits = session._forward([token])
+            logits = session.forward([token])
             dt = time.perf_counter() - t
             if i == 0:
                 tt2t = prefill_s + time.perf_counter() - t0

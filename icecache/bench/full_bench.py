@@ -61,26 +61,6 @@ def release_current_cache() -> None:
     current.forget()
 
 
-def dense_kv_of(cache) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Every layer's keys and values (1, H, T, d) in token order, rebuilt from an ice cache."""
-    from ..cache import GrowingLayer, IceLayer
-
-    out = []
-    for layer in cache.layers:
-        if isinstance(layer, GrowingLayer):
-            out.append((layer.keys.clone(), layer.values.clone()))
-            continue
-        assert isinstance(layer, IceLayer) and layer.decoding
-        layer.wait()
-        n, m, w, f = layer.sink_len, layer.mid, layer.win_at, layer.win_fill
-        k = torch.cat([layer.res_k[:, :n], layer.host_k[:, :m].to(layer.res_k.device, layer.res_k.dtype),
-                       layer.res_k[:, w : w + f]], dim=1)
-        v = torch.cat([layer.res_v[:, :n], layer.host_v[:, :m].to(layer.res_v.device, layer.res_v.dtype),
-                       layer.res_v[:, w : w + f]], dim=1)
-        out.append((k[None], v[None]))
-    return out
-
-
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
              max_seconds: float | None, on_step=None) -> BenchRow:
     """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
@@ -95,7 +75,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
             if max_seconds is not None:  # one untimed probe step decides whether to go on
                 t = time.perf_counter()
                 with torch.inference_mode():
-                    logits = session._forward([int(torch.argmax(logits))])
+                    logits = session.forward([int(torch.argmax(logits))])
                 probe = time.perf_counter() - t
                 if probe > max_seconds:
                     row.status, row.reason = "over time cap", f"a decode step took {probe:.1f} s > {max_seconds:g} s"
@@ -138,10 +118,8 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
                                  on_step))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
         todo = [m for m in methods if m != "ice"]
-        for layer in session.cache.ice_layers():  # the rebuild needs the stores, not the trees
-            layer.wait()
-            layer.trees = None
-        pre = Prefilled(list(ids), dense_kv_of(session.cache) if todo else [], logits,
+        session.cache.release_indexes()  # the rebuild needs the stores, not the indexes
+        pre = Prefilled(list(ids), session.cache.dense_kv() if todo else [], logits,
                         stats.prefill_seconds)
         del session
         release_current_cache()

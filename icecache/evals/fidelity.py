@@ -43,10 +43,10 @@ def _forced(session: Session, prompt: list[int], tokens: list[int]) -> list[torc
         session._start(prompt)
         chunk = session.settings.chunk_size
         for lo in range(0, len(prompt), chunk):
-            logits = session._forward(prompt[lo : lo + chunk])
+            logits = session.forward(prompt[lo : lo + chunk])
         out.append(torch.log_softmax(logits.float(), -1))
         for t in tokens[:-1]:
-            logits = session._forward([t])
+            logits = session.forward([t])
             out.append(torch.log_softmax(logits.float(), -1))
     return out
 

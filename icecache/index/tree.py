@@ -465,14 +465,14 @@ class DCITree:
 
 def select_layer(trees: list[DCITree], queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
     """``trees[h].select_group(queries[h], k, max_pages)`` for every KV head h of a layer, the
-    heads walked in parallel by one numba call (DCI-trees with shared walks; per-tree calls for
-    other indexes).
+    heads walked in parallel by one numba call (per-tree calls when a tree is empty or does not
+    use shared walks).
 
     queries: (H, G, d). On this 2-core CPU a decode step's index queries are memory bound (a
     core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
     """
     H = len(trees)
-    if H < 2 or not all(isinstance(t, DCITree) and t.cfg.shared_walk and t.n > 0 for t in trees):
+    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
         return [t.select_group(queries[h], k, max_pages) for h, t in enumerate(trees)]
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     g = queries.shape[1]

@@ -1,0 +1,47 @@
+"""The host store of one ice layer: every offloaded key and value, per KV head, in token order.
+
+Keys and values are (heads, capacity, head_dim) host tensors (pinned on CUDA, allocated by the
+backend), rows ``0 .. rows-1`` filled. Row ``r`` of head ``h`` is the ``r``-th offloaded token,
+which is also the point id the head's index gives it; a page load reads rows by these ids from
+the flattened store (:meth:`flat`, head ``h`` starting at row ``h * capacity``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .backend import TorchBackend
+
+
+class HostStore:
+    def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
+                 capacity: int):
+        self.backend, self.heads, self.head_dim, self.dtype = backend, heads, head_dim, dtype
+        self.rows = 0
+        self.capacity = capacity
+        self.keys = backend.host_empty((heads, capacity, head_dim), dtype)
+        self.values = backend.host_empty((heads, capacity, head_dim), dtype)
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """Rows (heads, m, head_dim) after the filled ones; a full store grows by a quarter
+        (a long document leaves little slack) or by what the rows need."""
+        m = keys.shape[1]
+        if self.rows + m > self.capacity:
+            cap = self.rows + m + max(self.capacity // 4, 4 * m)
+            for name in ("keys", "values"):
+                old = getattr(self, name)
+                new = self.backend.host_empty((self.heads, cap, self.head_dim), self.dtype)
+                new[:, : self.rows] = old[:, : self.rows]
+                setattr(self, name, new)
+            self.capacity = cap
+        self.keys[:, self.rows : self.rows + m] = keys
+        self.values[:, self.rows : self.rows + m] = values
+        self.rows += m
+
+    def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values as (heads * capacity, head_dim) rows."""
+        return self.keys.view(-1, self.head_dim), self.values.view(-1, self.head_dim)
+
+    def nbytes(self) -> int:
+        """Bytes of the filled rows (keys and values)."""
+        return 2 * self.heads * self.rows * self.head_dim * self.keys.element_size()

@@ -1,0 +1,304 @@
+"""One sparse layer of the ice cache (paper Algorithm 1, sections 4.1-4.5).
+
+Life of an :class:`IceLayer`:
+
+1. **Prompt.** Prefill chunks are kept densely (``keys``/``values``) and attended to in full.
+2. **Offload** (:meth:`IceLayer.offload_prompt`, at the first decode step, the second chunk of a
+   sparse prefill, or in the background as soon as the prompt's last chunk has passed the layer):
+   the first ``sink`` tokens and the last ``window`` tokens stay resident
+   (:class:`~.resident.ResidentKV`), the tokens between go to the host store
+   (:class:`~.host_store.HostStore`) and into the page selector's index.
+3. **Decode steps.** Each new token joins the window; a full window sends its oldest page run to
+   the host store and the index (:meth:`IceLayer.shed_window`). The attention of a step is
+   :meth:`IceLayer.attend`: select pages -> load the missing ones into pool slots -> attend over
+   sink + pool + window, each stage timed into :class:`~.spec.StepStats`.
+
+``ice-reuse``: a follower layer has no selector of its own; it takes its anchor's selection and
+page layout (the same token ids index its own host store). Offload and index insertion of a large
+run go to the background worker (:mod:`.worker`) when the spec pipelines; a layer waits for its
+own job before it is used again.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import torch
+from transformers.cache_utils import CacheLayerMixin
+
+from .backend import TorchBackend
+from .host_store import HostStore
+from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa
+from .resident import ResidentKV
+from .selectors import PageSelector, make_selector
+from .spec import IceSpec, StepStats
+from .worker import WORKER
+
+
+class IceLayer(CacheLayerMixin):
+    is_sliding = False
+    is_croppable = False
+    is_compileable = False
+
+    def __init__(self, layer_idx: int, spec: IceSpec, backend: TorchBackend, stats: StepStats,
+                 anchor: IceLayer | None = None):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.spec = spec
+        self.backend = backend
+        self.stats = stats
+        self.anchor = anchor  # ice-reuse: take this layer's selection and page layout
+        self.followers: list[IceLayer] = []  # ice-reuse: the layers that take this one's
+        if anchor is not None:
+            anchor.followers.append(self)
+        # The page selector; an ice-reuse follower uses its anchor's.
+        self.selector: PageSelector | None = make_selector(spec) if anchor is None else None
+        self.offloaded = False  # the prompt went to sink / host store / window: steps are paged
+        self.length = 0  # tokens seen (sink + host store + window)
+        self.prompt_tokens = 0  # the prompt's length once announced (IceCache.begin_prefill)
+        self.heads = self.head_dim = 0
+        self.store: HostStore | None = None
+        self.resident: ResidentKV | None = None
+        self.selected: list[np.ndarray] = []
+        self._job = None  # (future, what) of this layer's background work
+
+    # -- transformers' layer interface ------------------------------------------------------------
+    def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
+        self.dtype, self.device = key_states.dtype, key_states.device
+        hd = self.spec.host_dtype
+        self.host_dtype = getattr(torch, hd) if hd else self.dtype
+        self.heads, self.head_dim = key_states.shape[1], key_states.shape[3]
+        self.keys = key_states[:, :, :0]
+        self.values = value_states[:, :, :0]
+        self.is_initialized = True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        if key_states.shape[0] != 1:
+            raise NotImplementedError("the ice cache holds one sequence (batch size 1)")
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        self.wait()
+        n = key_states.shape[2]
+        if not self.offloaded:
+            if self.length > 0 and (n == 1 or self.spec.sparse_prefill):
+                self.offload_prompt()  # the first decode step, or the second sparse-prefill chunk
+            else:
+                self._keep_prompt(key_states, value_states)
+                return self.keys, self.values
+        if n != 1:
+            if self.resident.window_fill + n > self.resident.window_cap:
+                raise ValueError(f"a prefill chunk of {n} tokens exceeds the chunk size the cache "
+                                 f"was set up for ({self.spec.chunk_tokens})")
+        elif self.resident.window_cap > self.spec.window_slack:
+            self._to_decode_pool()  # the first decode step after a sparse prefill
+        if n == 1:
+            self.shed_window(keep_room=True)
+        self.resident.append(key_states[0], value_states[0])
+        self.length += n
+        return self.resident.window()  # (not read by the ice attention)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.length + query_length, 0
+
+    def get_seq_length(self) -> int:
+        return self.length
+
+    def get_max_length(self) -> int:
+        return -1
+
+    # -- the prompt -------------------------------------------------------------------------------
+    def _keep_prompt(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        self.keys = torch.cat([self.keys, keys], dim=2)
+        self.values = torch.cat([self.values, values], dim=2)
+        self.length += keys.shape[2]
+        waits = self.selector is not None and self.selector.waits_for_queries
+        if (self.spec.pipeline and self.prompt_tokens and self.length >= self.prompt_tokens
+                and not self.spec.sparse_prefill and not waits):
+            # The prompt's last chunk has passed this layer: offload and index it while the next
+            # layers compute (a selector that votes with the prompt's queries waits for them).
+            self._job = (WORKER.submit(self._offload), "offload")
+
+    def observe(self, queries: torch.Tensor) -> None:
+        """A prefill chunk's queries (query heads, chunk, head_dim), for a selector that uses them."""
+        if self.selector is not None and not self.offloaded:
+            self.selector.observe(queries)
+
+    def offload_prompt(self) -> None:
+        """Offload and index the prompt now (after any background job of this layer)."""
+        self.wait()
+        if not self.offloaded and self.length > 0:
+            self._offload()
+            self._drop_prompt_copy()
+
+    def _drop_prompt_copy(self) -> None:
+        self.keys = self.values = None
+        self.offloaded = True
+
+    def _offload(self) -> None:
+        """Prompt KV -> resident sink + window, host store, index (runs on the worker too)."""
+        spec, S = self.spec, self.spec.page_size
+        T = self.length
+        sink = min(spec.sink_tokens, T)
+        middle = max(0, T - sink - spec.window_tokens)
+        k, v = self.keys[0], self.values[0]  # (heads, T, d)
+        window_cap = spec.window_slack + (spec.chunk_tokens if spec.sparse_prefill else 0)
+        self.resident = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype,
+                                   spec.sink_tokens, S, spec.pool_pages, window_cap)
+        self.resident.set_sink(k[:, :sink], v[:, :sink])
+        self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
+        self.resident.chunk_at = self.resident.chunk_len = 0
+        capacity = middle + max(256, middle // 8)  # room for decode evictions
+        if spec.sparse_prefill and self.prompt_tokens > T:
+            # A sparse prefill announced its prompt: the store is sized for it once (growing by
+            # copies would hold two stores at a time).
+            capacity = max(capacity, self.prompt_tokens - sink + 256)
+        self.store = HostStore(self.backend, self.heads, self.head_dim, self.host_dtype, capacity)
+        self.store.append(k[:, sink : sink + middle].to("cpu"), v[:, sink : sink + middle].to("cpu"))
+        self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
+        if self.indexed:
+            t0 = time.perf_counter()
+            points = max(16, middle + 4 * S, capacity if spec.sparse_prefill else 0)
+            self.selector.build(k, sink, sink + middle, points)
+            self.stats.index_build_s += time.perf_counter() - t0
+
+    @property
+    def indexed(self) -> bool:
+        """Whether this layer keeps an index (not an ice-reuse follower, not streaming)."""
+        return self.selector is not None and self.selector.indexed and self.spec.pool_pages > 0
+
+    # -- the window and the host store ------------------------------------------------------------
+    def shed_window(self, keep_room: bool = False) -> None:
+        """The window's full pages older than its last ``window_tokens`` go to the host store and
+        the index. ``keep_room`` (a decode step): only once the window is a page over, so that
+        the new token fits."""
+        S, keep = self.spec.page_size, self.spec.window_tokens
+        fill = self.resident.window_fill
+        if (fill >= keep + S) if keep_room else (fill - keep >= S):
+            self._evict((fill - keep) // S * S)
+
+    def _evict(self, m: int) -> None:
+        """The window's oldest ``m`` tokens to the host store and the index (in the background
+        when pipelining a run longer than a page; the next step on this layer waits for it)."""
+        self.wait()
+        old_k, old_v = self.resident.pop_oldest(m)
+        if self.spec.pipeline and m > self.spec.page_size:
+            self._job = (WORKER.submit(self._store, old_k, old_v), "evict")
+        else:
+            self._store(old_k, old_v)
+
+    def _store(self, old_k: torch.Tensor, old_v: torch.Tensor) -> None:
+        self.store.append(old_k, old_v)
+        if self.indexed:
+            t0 = time.perf_counter()
+            self.selector.insert(old_k)
+            self.stats.index_insert_s += time.perf_counter() - t0
+
+    def after_chunk(self) -> None:
+        """After a sparse-prefill chunk's attention: shed the window's old pages (an ice-reuse
+        anchor waits until its last follower attended: its pages must not change before)."""
+        if self.followers:
+            return
+        self.shed_window()
+        if self.anchor is not None and self is self.anchor.followers[-1]:
+            self.anchor.shed_window()
+
+    def _to_decode_pool(self) -> None:
+        """After a sparse prefill: the resident rows shrink to the decode budget's pool and a page
+        of window slack (the pool starts empty; the first step loads its pages)."""
+        self.shed_window()
+        self.wait()
+        self.resident = self.resident.resized(self.spec.budget_pages, self.spec.window_slack)
+
+    def wait(self) -> None:
+        """Finish this layer's background work (re-raising its error, if any)."""
+        if self._job is None:
+            return
+        future, what = self._job
+        self._job = None
+        future.result()
+        if what == "offload":
+            self._drop_prompt_copy()
+        WORKER.retire()
+
+    # -- the decode step: select -> load -> attend --------------------------------------------------
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """Attention of this step's queries (query heads, C, d) over sink + selected pages +
+        window -> (1, C, query heads, d). C = 1 at a decode step; a sparse-prefill chunk has a
+        few of its positions choose the pages for all of it."""
+        Hq, C, d = query.shape
+        H = self.heads
+        G = Hq // H
+        if C == 1:
+            self.select(query[:, 0])
+        else:
+            pos = torch.from_numpy(chunk_positions(C, self.spec.prefill_queries)).to(query.device)
+            self.select(query[:, pos].reshape(Hq * len(pos), d), pages=self.spec.prefill_pages)
+        self.load()
+        t0 = time.perf_counter()
+        k, v, valid = self.resident.tensors()
+        if C == 1:
+            out = paged_decode_sdpa(query[:, 0].view(H, G, d), k, v, valid, scale)
+            self.stats.attention_s += time.perf_counter() - t0
+            return out.reshape(1, 1, Hq, d)
+        out = paged_chunk_sdpa(query.view(H, G, C, d), k, v, valid, self.resident.chunk_at, scale)
+        self.after_chunk()
+        return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
+
+    def select(self, q: torch.Tensor, pages: int | None = None) -> None:
+        """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *
+        positions, grouped by KV head); sets ``selected`` (at most ``pages`` pages per KV head;
+        default: the budget)."""
+        P = self.spec.budget_pages if pages is None else pages
+        self.wait()
+        if self.anchor is not None:
+            self.anchor.wait()
+            self.selected = self.anchor.selected
+            return
+        if P == 0 or self.spec.budget_pages == 0:
+            return  # streaming: sink and window only
+        t0 = time.perf_counter()
+        qn = q.detach().float().cpu().numpy()
+        self.selected = self.selector.select(qn.reshape(self.heads, q.shape[0] // self.heads, -1), P)
+        self.stats.query_s += time.perf_counter() - t0
+
+    def load(self) -> None:
+        """Bring the selected pages into the pool: only those not resident (or stale)."""
+        if self.spec.budget_pages == 0:
+            return
+        t0 = time.perf_counter()
+        owner = self.anchor if self.anchor is not None else self
+        loaded, moved = self.resident.load(self.selected, owner.selector.page_table, self.store)
+        self.stats.bytes_moved += moved
+        self.stats.pages_loaded += loaded
+        self.stats.pages_selected += sum(len(w) for w in self.selected)
+        self.stats.load_s += time.perf_counter() - t0
+
+    # -- what the cache holds ---------------------------------------------------------------------
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's keys and values (1, heads, length, d) in token order, on the device in
+        the model's dtype: sink + host store + window (a copy; the prompt itself before offload)."""
+        self.wait()
+        if not self.offloaded:
+            return self.keys, self.values
+        r, s = self.resident, self.store
+        w = slice(r.window_at, r.window_at + r.window_fill)
+        parts = []
+        for res, host in ((r.keys, s.keys), (r.values, s.values)):
+            parts.append(torch.cat([res[:, : r.sink_fill], host[:, : s.rows].to(res.device, res.dtype),
+                                    res[:, w]], dim=1)[None])
+        return parts[0], parts[1]
+
+    def release_index(self) -> None:
+        """Drop the index after this layer's background work (the host store stays)."""
+        self.wait()
+        if self.selector is not None:
+            self.selector.release()
+
+    def device_bytes(self) -> int:
+        if not self.offloaded:
+            return 0 if self.keys is None else 2 * self.keys.numel() * self.keys.element_size()
+        return self.resident.nbytes()
+
+    def host_bytes(self) -> int:
+        return self.store.nbytes() if self.offloaded else 0

@@ -1,0 +1,68 @@
+"""Attention over an ice layer's resident rows: a decode step, and a sparse-prefill chunk.
+
+Each has a plain-torch reference (einsum, float32 softmax) and the fused SDPA version the cache
+runs; the tests compare the two. Shapes: ``q`` groups the query heads by KV head, ``k``/``v`` are
+the resident rows (sink, pool, window) and ``valid`` masks the rows not in use.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+
+def paged_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                           scaling: float) -> torch.Tensor:
+    """q (H, G, d) query heads grouped by KV head; k, v (H, L, d); valid (H, L) -> (H, G, d).
+
+    Plain softmax attention per KV head over its valid rows, in float32.
+    """
+    scores = torch.einsum("hgd,hld->hgl", q.float(), k.float()) * scaling
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgl,hld->hgd", probs, v.float()).to(q.dtype)
+
+
+def paged_decode_sdpa(q, k, v, valid, scaling):
+    """The same as :func:`paged_decode_reference` through torch's fused SDPA (the fast path)."""
+    out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
+                                         attn_mask=valid[:, None, None, :], scale=scaling)
+    return out[:, 0]
+
+
+def chunk_positions(C: int, n: int) -> np.ndarray:
+    """``n`` positions of a chunk of ``C`` queries, evenly spread and ending at the last one."""
+    return np.unique(np.linspace(0, C - 1, min(n, C)).round().astype(np.int64)) if C else np.empty(0, np.int64)
+
+
+def paged_chunk_reference(q, k, v, valid, chunk_at, scaling):
+    """A sparse-prefill chunk's attention in plain torch (the reference of :func:`paged_chunk_sdpa`).
+
+    q (H, G, C, d): the chunk's queries grouped by KV head; k, v (H, L, d) the resident rows
+    (sink, loaded pages, window, then the chunk itself at rows ``chunk_at`` .. ``chunk_at + C``);
+    valid (H, L). Query t sees the valid rows before the chunk and chunk rows up to its own.
+    """
+    H, G, C, d = q.shape
+    mask = chunk_mask(valid, chunk_at, C)  # (H, C, L)
+    scores = torch.einsum("hgcd,hld->hgcl", q.float(), k.float()) * scaling
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgcl,hld->hgcd", probs, v.float()).to(q.dtype)
+
+
+def chunk_mask(valid: torch.Tensor, chunk_at: int, C: int) -> torch.Tensor:
+    H, L = valid.shape
+    mask = valid[:, None, :].expand(H, C, L).clone()
+    causal = torch.ones(C, C, dtype=torch.bool, device=valid.device).tril()
+    mask[:, :, chunk_at : chunk_at + C] &= causal
+    return mask
+
+
+def paged_chunk_sdpa(q, k, v, valid, chunk_at, scaling):
+    """:func:`paged_chunk_reference` through torch's fused SDPA."""
+    H, G, C, d = q.shape
+    mask = chunk_mask(valid, chunk_at, C)[:, None]  # (H, 1, C, L): the group shares it
+    kk = k[:, None].expand(H, G, *k.shape[1:])
+    vv = v[:, None].expand(H, G, *v.shape[1:])
+    return F.scaled_dot_product_attention(q, kk, vv, attn_mask=mask, scale=scaling)

@@ -1,0 +1,135 @@
+"""The device-resident rows of one ice layer and the page pool inside them.
+
+Per KV head the rows are laid out ``[sink | pool of P page slots | window]``:
+
+- ``sink``: the first tokens of the sequence (``sink_cap`` rows, ``sink_fill`` used);
+- ``pool``: ``P`` slots of ``page_size`` rows; slot ``s`` holds one host page (``slot_page``,
+  -1 when empty), at the version it was loaded at (``slot_version``: a page whose members changed
+  since must be reloaded), with ``slot_fill`` rows used;
+- ``window``: the most recent tokens (``window_fill`` of ``window_cap`` rows); during a sparse
+  prefill it also holds the chunk being computed (rows ``chunk_at .. chunk_at + chunk_len``).
+
+``valid`` (heads, rows) says which rows attention may see. The buffer's size is fixed by the
+spec, whatever the context length: that is the cache's device memory.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .backend import TorchBackend
+from .host_store import HostStore
+from .kernels import plan_head
+
+
+class ResidentKV:
+    def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
+                 sink_cap: int, page_size: int, pool_pages: int, window_cap: int):
+        self.backend, self.heads, self.head_dim, self.dtype = backend, heads, head_dim, dtype
+        self.page_size, self.pool_pages = page_size, pool_pages
+        self.pool_at = sink_cap
+        self.window_at = self.pool_at + pool_pages * page_size
+        self.window_cap = window_cap
+        self.rows = self.window_at + window_cap
+        self.keys = backend.device_zeros((heads, self.rows, head_dim), dtype)
+        self.values = backend.device_zeros((heads, self.rows, head_dim), dtype)
+        self.valid = np.zeros((heads, self.rows), np.bool_)
+        self.sink_fill = self.window_fill = 0
+        self.chunk_at = self.chunk_len = 0
+        self.slot_page = np.full((heads, pool_pages), -1, np.int64)
+        self.slot_version = np.zeros((heads, pool_pages), np.int64)
+        self.slot_fill = np.zeros((heads, pool_pages), np.int64)
+
+    # -- sink and window -------------------------------------------------------------------------
+    def set_sink(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values (heads, n, head_dim): the sequence's first ``n`` tokens."""
+        n = keys.shape[1]
+        self.keys[:, :n] = keys
+        self.values[:, :n] = values
+        self.valid[:, :n] = True
+        self.sink_fill = n
+
+    def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        """keys, values (heads, m, head_dim) after the window's last row (a chunk is marked as
+        the rows being computed)."""
+        m = keys.shape[1]
+        if self.window_fill + m > self.window_cap:
+            raise ValueError(f"{m} new rows do not fit the window ({self.window_fill} of "
+                             f"{self.window_cap} rows used)")
+        at = self.window_at + self.window_fill
+        self.keys[:, at : at + m] = keys
+        self.values[:, at : at + m] = values
+        self.valid[:, at : at + m] = True
+        self.window_fill += m
+        if m > 1:
+            self.chunk_at, self.chunk_len = at, m
+
+    def pop_oldest(self, m: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Remove the window's oldest ``m`` rows and return them as host copies (heads, m, d)."""
+        w0, f = self.window_at, self.window_fill
+        old_k = self.keys[:, w0 : w0 + m].to("cpu", copy=True)  # a view on CPU otherwise
+        old_v = self.values[:, w0 : w0 + m].to("cpu", copy=True)
+        self.keys[:, w0 : w0 + f - m] = self.keys[:, w0 + m : w0 + f].clone()
+        self.values[:, w0 : w0 + f - m] = self.values[:, w0 + m : w0 + f].clone()
+        self.valid[:, w0 + f - m : w0 + f] = False
+        self.window_fill -= m
+        return old_k, old_v
+
+    def window(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The window's filled rows (1, heads, n, d)."""
+        w = slice(self.window_at, self.window_at + self.window_fill)
+        return self.keys[None, :, w], self.values[None, :, w]
+
+    def resized(self, pool_pages: int, window_cap: int) -> ResidentKV:
+        """A new buffer with another pool and window size holding this one's sink and window
+        (the pool starts empty)."""
+        out = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype, self.pool_at,
+                         self.page_size, pool_pages, window_cap)
+        out.set_sink(self.keys[:, : self.sink_fill], self.values[:, : self.sink_fill])
+        w = slice(self.window_at, self.window_at + self.window_fill)
+        out.append(self.keys[:, w], self.values[:, w])
+        out.chunk_at = out.chunk_len = 0
+        return out
+
+    # -- the page pool ---------------------------------------------------------------------------
+    def load(self, selected: list[np.ndarray], page_table, store: HostStore) -> tuple[int, int]:
+        """Make the ``selected`` pages of every head resident, copying only those not already in
+        a slot at their current version; the other slots are freed.
+
+        ``page_table(h) -> (members, count, version)``: head ``h``'s pages (host-store row ids,
+        fill, version). Returns (pages loaded, bytes moved).
+        """
+        S = self.page_size
+        need = sum(len(w) for w in selected) * S
+        src = np.empty(need, np.int64)
+        dst = np.empty(need, np.int64)
+        m = loaded = 0
+        pool = slice(self.pool_at, self.window_at)
+        for h in range(self.heads):
+            members, count, version = page_table(h)
+            m, got = plan_head(selected[h].astype(np.int64), self.slot_page[h], self.slot_version[h],
+                               self.slot_fill[h], version, members, count, h * store.capacity,
+                               h * self.rows + self.pool_at, S, self.valid[h, pool], src, dst, m)
+            loaded += got
+        moved = 0
+        if m:
+            host_k, host_v = store.flat()
+            moved = self.backend.load_rows(host_k, host_v, torch.from_numpy(src[:m]),
+                                           self.keys.view(-1, self.head_dim),
+                                           self.values.view(-1, self.head_dim), torch.from_numpy(dst[:m]))
+        return loaded, moved
+
+    def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Keys, values (heads, rows, d) and the validity mask (heads, rows), on the device."""
+        valid = torch.from_numpy(self.valid)
+        if self.keys.device.type != "cpu":
+            valid = valid.to(self.keys.device, non_blocking=True)
+        return self.keys, self.values, valid
+
+    def slots_used(self) -> tuple[int, int]:
+        """(pool slots holding a page, pool slots)."""
+        return int((self.slot_page >= 0).sum()), self.slot_page.size
+
+    def nbytes(self) -> int:
+        return int(2 * self.keys.numel() * self.keys.element_size())

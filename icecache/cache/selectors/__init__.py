@@ -1,0 +1,72 @@
+"""Page selectors: how an ice layer chooses the host pages each KV head attends to.
+
+Every selector follows :class:`PageSelector` and is registered by name (``IceSpec.selector``):
+
+====================  ===========================================================================
+``dci``               IceCache: a DCI-tree per KV head, pages of similar keys (:mod:`.dci`)
+``quest``             Quest: token-order pages ranked by per-channel key bounds (:mod:`.quest`)
+``snapkv``            SnapKV: the prompt's last queries choose the tokens once (:mod:`.snapkv`)
+``streaming``         StreamingLLM: no pages, sink and window only (:mod:`.streaming`)
+====================  ===========================================================================
+
+(The ``oracle`` bound chooses tokens, not pages, over a dense cache: :mod:`icecache.cache.oracle`.)
+
+How to add one: a class with the protocol's members (usually a subclass of
+:class:`~.base.HeadIndexes`, which keeps one index per KV head and the page versions, so only
+``new_index`` and perhaps ``select`` are left), decorated with ``@register("name")`` in its own
+module, imported below; then a :class:`~icecache.methods.Method` record naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import numpy as np
+import torch
+
+from ..spec import IceSpec
+from .base import SELECTORS, HeadIndexes, register
+
+
+class PageSelector(Protocol):
+    """One ice layer's page choice. Point ids are host-store rows (offloaded tokens in order)."""
+
+    indexed: bool  # False: selects nothing, keeps no index (the pool has no slots)
+    waits_for_queries: bool  # needs the prompt's last queries before the prompt is offloaded
+
+    def observe(self, queries: torch.Tensor) -> None:
+        """The prompt's queries at a prefill chunk (query heads, chunk, head_dim)."""
+
+    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int) -> None:
+        """Index the offloaded prompt tokens ``lo .. hi-1`` of ``prompt_keys`` (heads, T, d)
+        as points ``0 .. hi-lo-1``, one index per KV head; ``capacity``: the points expected
+        in all."""
+
+    def insert(self, keys: torch.Tensor) -> None:
+        """Index newly offloaded keys (heads, m, d) on the host, as the next point ids."""
+
+    def select(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
+        """queries (heads, group, d) float32 -> per KV head at most ``max_pages`` page ids."""
+
+    def page_table(self, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Head ``head``'s pages: members (pages, page_size) point ids, count (pages,), and
+        version (pages,): a page whose members changed has a higher version."""
+
+    def release(self) -> None:
+        """Drop the index (the host store stays)."""
+
+
+def make_selector(spec: IceSpec) -> PageSelector:
+    try:
+        cls = SELECTORS[spec.selector]
+    except KeyError:
+        raise ValueError(f"unknown page selector '{spec.selector}' (known: {', '.join(SELECTORS)})") from None
+    return cls(spec)
+
+
+from . import dci, quest, snapkv, streaming  # noqa: E402,F401  (they register themselves)
+from .quest import QuestIndex  # noqa: E402
+from .snapkv import SnapIndex, snap_votes  # noqa: E402
+
+__all__ = ["SELECTORS", "HeadIndexes", "PageSelector", "QuestIndex", "SnapIndex", "make_selector",
+           "register", "snap_votes"]
