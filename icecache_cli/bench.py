@@ -158,9 +158,9 @@ def index(
     quiet: QuietOpt = False,
 ) -> None:
     """Index quality and speed on keys and queries captured from the model."""
+    from icecache.bench.capture import capture
     from icecache.bench.index_bench import IndexBenchResult, run_layer
     from icecache.index import IndexConfig
-    from icecache.index.capture import capture
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:

@@ -8,7 +8,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from icecache.index import DCITree, IndexConfig, kernels, merge_group_pages
-from icecache.index.reference import exact_topk, mip_transform, nearest, ranked_pages
+from icecache.index.reference import exact_topk, mip_transform, nearest, nearest_inner, ranked_pages
 
 
 def clustered(n: int, d: int = 16, clusters: int = 12, seed: int = 0, scale: float = 3.0):
@@ -159,6 +159,27 @@ def test_ranked_pages_kernel_matches_reference():
         assert kernels.ranked_pages(ids, tok_page, cap).tolist() == ranked_pages(ids, tok_page, cap)
 
 
+def test_merge_ranked_kernel_matches_reference():
+    rng = np.random.default_rng(2)
+    for _ in range(50):
+        g, width = rng.integers(1, 6), rng.integers(1, 9)
+        lists = rng.integers(0, 12, (g, width)).astype(np.int32)
+        lens = rng.integers(0, width + 1, g).astype(np.int64)
+        cap = int(rng.integers(1, 12))
+        ref = merge_group_pages([lists[r, : lens[r]] for r in range(g)], cap)
+        assert kernels.merge_ranked(lists, lens, cap).tolist() == ref.tolist()
+
+
+def test_nearest_among_kernel_matches_reference():
+    rng = np.random.default_rng(3)
+    rows = rng.standard_normal((40, 9)).astype(np.float32)
+    C = rng.standard_normal((25, 9)).astype(np.float32)
+    cand = rng.permutation(100)[:25].astype(np.int32)
+    out = np.empty(40, np.int32)
+    kernels.nearest_among(rows, C, cand, out)
+    np.testing.assert_array_equal(out, nearest_inner(rows, C, cand))
+
+
 def test_gqa_merge_rank_by_rank():
     lists = [np.array([5, 1, 9]), np.array([5, 2, 7, 8]), np.array([3, 1])]
     assert merge_group_pages(lists, 10).tolist() == [5, 3, 1, 2, 9, 7, 8]
@@ -236,7 +257,7 @@ def test_small_first_insert_point_by_point_has_room_for_its_pages(n):
 def test_group_walk_scratch_grows_and_is_shared_by_trees(monkeypatch):
     """A walk that outgrows its scratch is redone with more room: the same pages as with room
     to spare; trees share one scratch per thread (a tree holds none of its own)."""
-    from icecache.index import tree as tree_mod
+    from icecache.index import walk as walk_mod
 
     keys = clustered(20000)
     queries = np.random.default_rng(5).standard_normal((3, 16)).astype(np.float32)
@@ -247,26 +268,26 @@ def test_group_walk_scratch_grows_and_is_shared_by_trees(monkeypatch):
     want_a = a.select_group(queries, 64, 8)
     want_b = b.select_group(queries, 64, 8)
     ids_a, sc_a = a.search_group(queries, 40)
-    tree_mod._scratch.arrays = {}  # a fresh, small scratch: the first walks overflow it
-    monkeypatch.setattr(tree_mod, "WALK_ROWS", 4)
-    monkeypatch.setattr(tree_mod, "WALK_ROWS_PER_BEAM", 1)
+    walk_mod._scratch.arrays = {}  # a fresh, small scratch: the first walks overflow it
+    monkeypatch.setattr(walk_mod, "WALK_ROWS", 4)
+    monkeypatch.setattr(walk_mod, "WALK_ROWS_PER_BEAM", 1)
     calls = []
-    real = tree_mod.group_scratch
-    monkeypatch.setattr(tree_mod, "group_scratch", lambda n, g, rows: calls.append(rows) or real(n, g, rows))
+    real = walk_mod.group_scratch
+    monkeypatch.setattr(walk_mod, "group_scratch", lambda n, g, rows: calls.append(rows) or real(n, g, rows))
     np.testing.assert_array_equal(a.select_group(queries, 64, 8), want_a)
     assert len(calls) > 1 and calls == sorted(calls)  # grown, then done
     np.testing.assert_array_equal(b.select_group(queries, 64, 8), want_b)
     got_ids, got_sc = a.search_group(queries, 40)
     np.testing.assert_array_equal(got_ids, ids_a)
     assert not hasattr(a, "_gscr")
-    assert tree_mod._scratch.arrays[("mark", 0)].shape[0] >= a.n + 1
+    assert walk_mod._scratch.arrays[("mark", 0)].shape[0] >= a.n + 1
 
 
 def test_select_layer_equals_per_tree_selection(monkeypatch):
     """A layer's heads walked in parallel by one numba call pick what each tree picks alone,
     call after call, also when a head's scratch is too short (it is redone alone) and when the
     trees are of different sizes."""
-    from icecache.index import tree as tree_mod
+    from icecache.index import walk as walk_mod
 
     trees = []
     for h, n in enumerate((4000, 2500, 6000)):
@@ -277,11 +298,11 @@ def test_select_layer_equals_per_tree_selection(monkeypatch):
     for pages in (2, 6):
         want = [t.select_group(queries[h], pages * 8, pages) for h, t in enumerate(trees)]
         for _ in range(2):
-            got = tree_mod.select_layer(trees, queries, pages * 8, pages)
+            got = walk_mod.select_layer(trees, queries, pages * 8, pages)
             assert [g.tolist() for g in got] == [w.tolist() for w in want]
-    tree_mod._scratch.arrays = {}  # small scratch: the parallel walks overflow and are redone
-    monkeypatch.setattr(tree_mod, "WALK_ROWS", 4)
-    monkeypatch.setattr(tree_mod, "WALK_ROWS_PER_BEAM", 1)
-    got = tree_mod.select_layer(trees, queries, 48, 6)
+    walk_mod._scratch.arrays = {}  # small scratch: the parallel walks overflow and are redone
+    monkeypatch.setattr(walk_mod, "WALK_ROWS", 4)
+    monkeypatch.setattr(walk_mod, "WALK_ROWS_PER_BEAM", 1)
+    got = walk_mod.select_layer(trees, queries, 48, 6)
     want = [t.select_group(queries[h], 48, 6) for h, t in enumerate(trees)]
     assert [g.tolist() for g in got] == [w.tolist() for w in want]

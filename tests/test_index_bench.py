@@ -26,7 +26,7 @@ def test_parse_size():
 
 
 def test_small_run_on_real_keys(loaded):
-    from icecache.index.capture import capture
+    from icecache.bench.capture import capture
 
     cap = capture(loaded, 512, [2, 10], num_queries=3, chunk=256)
     assert cap.keys[2].shape == (3, 512, 64) and cap.queries[10].shape == (9, 3, 64)
@@ -46,7 +46,7 @@ def test_small_run_on_real_keys(loaded):
 
 def test_capture_chunked_prefill_equals_one_shot(loaded):
     """Chunks over a growing cache give the one-shot keys and queries (the masks are right)."""
-    from icecache.index.capture import capture
+    from icecache.bench.capture import capture
 
     a = capture(loaded, 600, [2, 20], num_queries=4, chunk=256)
     b = capture(loaded, 600, [2, 20], num_queries=4, chunk=1024)

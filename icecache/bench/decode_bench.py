@@ -16,7 +16,8 @@ import numpy as np
 import torch
 
 from ..generation import Prefilled, Session, prefill_once
-from ..index.capture import generated_text
+from ..textgen import generated_text
+from .warm import ensure_warm
 
 
 @dataclass
@@ -64,6 +65,7 @@ def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:
     Every method's prefill is full attention, so each method then starts from a copy of this KV
     (:meth:`~icecache.generation.Session.adopt`). ``on_progress(done, total)``.
     """
+    ensure_warm(loaded, settings, [])
     ids = context_ids(loaded.tokenizer, ctx)
     report = (lambda _phase, d, t: on_progress(d, t)) if on_progress else None
     return prefill_once(loaded, settings, ids, on_progress=report)
@@ -72,6 +74,7 @@ def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:
 def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 2,
         on_progress=None, shared=None) -> DecodeResult:
     """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from."""
+    ensure_warm(loaded, settings, [method])
     pre = shared or prefill(loaded, settings, ctx, on_progress)
     session = Session(loaded, settings, method)
     session.adopt(pre)

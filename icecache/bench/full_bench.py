@@ -28,6 +28,7 @@ import torch
 from ..generation import Prefilled, Session, prefill_once
 from .decode_bench import context_ids, time_decode
 from .prefill_bench import PeakRss
+from .warm import ensure_warm
 
 
 @dataclass
@@ -97,6 +98,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
 def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, warmup: int = 2,
             full_prefill_max: int = 32768, max_seconds: float | None = None,
             log=lambda _m: None, on_progress=None, on_step=None) -> list[BenchRow]:
+    ensure_warm(loaded, settings, methods, sparse=ctx > full_prefill_max)
     ids = context_ids(loaded.tokenizer, ctx)
     rows: list[BenchRow] = []
     if ctx <= full_prefill_max:

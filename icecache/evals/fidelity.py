@@ -40,10 +40,7 @@ def _forced(session: Session, prompt: list[int], tokens: list[int]) -> list[torc
     """Log-probabilities before each of ``tokens`` (the first after the prompt's prefill)."""
     out = []
     with torch.inference_mode():
-        session._start(prompt)
-        chunk = session.settings.chunk_size
-        for lo in range(0, len(prompt), chunk):
-            logits = session.forward(prompt[lo : lo + chunk])
+        logits, _ = session.prefill(prompt)
         out.append(torch.log_softmax(logits.float(), -1))
         for t in tokens[:-1]:
             logits = session.forward([t])

@@ -15,8 +15,8 @@ from pathlib import Path
 from .. import methods as methods_
 from ..errors import UsageError
 from ..generation import Prefilled, Session, prefill_once
-from ..index.capture import generated_text
 from ..prompts import qa_messages, render, summarize_messages
+from ..textgen import generated_text
 from . import fidelity, passkey, ruler
 
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")

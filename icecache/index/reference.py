@@ -26,6 +26,7 @@ def nearest(points: np.ndarray, candidates: np.ndarray) -> np.ndarray:
 
 
 def ranked_pages(ids, tok_page, max_pages: int) -> list[int]:
+    """Distinct pages of ``ids`` in order of their first (best) member, at most ``max_pages``."""
     out: list[int] = []
     for i in ids:
         p = int(tok_page[i])
@@ -34,3 +35,8 @@ def ranked_pages(ids, tok_page, max_pages: int) -> list[int]:
         if len(out) == max_pages:
             break
     return out
+
+
+def nearest_inner(rows: np.ndarray, C: np.ndarray, cand: np.ndarray) -> np.ndarray:
+    """For each row, the id in ``cand`` of the candidate (rows of ``C``) of largest inner product."""
+    return cand[np.argmax(rows.astype(np.float64) @ C.T.astype(np.float64), axis=1)]

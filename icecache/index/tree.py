@@ -19,85 +19,13 @@ scratch: 450-600 B, i.e. about 2x the raw key (256 B); measured figures are prin
 
 from __future__ import annotations
 
-import threading
-from dataclasses import dataclass
-
 import numpy as np
 
-from . import kernels
+from . import kernels, walk
+from .config import IndexConfig
 
 MAX_LEVELS = 12
 EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
-# Scanned rows a group walk's scratch starts with (it grows when a walk needs more).
-WALK_ROWS, WALK_ROWS_PER_BEAM = 8192, 64
-_scratch = threading.local()
-
-
-def walk_rows(n: int, beam: int, g: int) -> int:
-    """Scanned rows a group walk's scratch starts with."""
-    return min(n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * beam * g))
-
-
-def group_scratch(n: int, g: int, rows: int, slot: int = 0):
-    """This thread's scratch for a group walk, shared by every tree it queries: ``mark`` (one
-    int64 per node, at least ``n + 1``; a call counter in slot 0 keeps stamps unique across
-    trees), and room for ``rows`` scanned rows (ids, pages, ``g`` scores each). Sized by what a
-    walk scans, not by the tree (a per-tree copy of ``n`` x ``g`` scores was the largest part of
-    a long sparse prefill's index memory). Walks that run at the same time (a layer's heads in
-    parallel) each take their own ``slot``."""
-    arrays = getattr(_scratch, "arrays", None)
-    if arrays is None:
-        arrays = _scratch.arrays = {}
-    mark = arrays.get(("mark", slot))
-    if mark is None or mark.shape[0] < n + 1:
-        fresh = np.zeros(max(n + 1, 2 * (0 if mark is None else mark.shape[0])), np.int64)
-        if mark is not None:
-            fresh[0] = mark[0]
-        arrays[("mark", slot)] = mark = fresh
-    rows_now = arrays.get(("rows", g, slot))
-    if rows_now is None or rows_now[0].shape[0] < rows:
-        size = max(rows, 2 * (0 if rows_now is None else rows_now[0].shape[0]))
-        rows_now = arrays[("rows", g, slot)] = (np.empty(size, np.int32), np.empty(size, np.int32),
-                                                np.empty((size, g), np.float32))
-    return (mark, *rows_now)
-
-
-@dataclass(frozen=True)
-class IndexConfig:
-    """How a tree is built and searched.
-
-    ``ratio_bottom`` / ``ratio_upper``: share of points promoted from the bottom level and from
-    each higher level. ``promotion``: ``deterministic`` (every 1/ratio-th point in insertion
-    order) or ``random`` (independent draws with ``seed``). ``exact_parent_max``: a level above
-    with at most this many points is searched exactly for parents, else with the tree.
-    ``beam``: nodes expanded per level in a query (at least; ``beam_frac`` x n if larger).
-    ``visit_frac``: share of an expanded node's children scored (nearest projections first).
-
-    Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
-    model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
-    attention mass (0.797 vs 0.758 at budget 256, per query head) at a shorter query (184 vs
-    259 us per head) and about the same recall@64 (0.973 vs 0.987); see docs/index.md.
-    """
-
-    page_size: int = 16
-    ratio_bottom: float = 1 / 32
-    ratio_upper: float = 0.2
-    promotion: str = "deterministic"
-    seed: int = 0
-    exact_parent_max: int = 3000
-    beam: int = 48
-    beam_frac: float = 0.001
-    visit_frac: float = 1.0
-    parent_beam: int = 8
-    shared_walk: bool = True
-
-    def __post_init__(self):
-        if self.promotion not in ("deterministic", "random"):
-            raise ValueError("promotion must be 'deterministic' or 'random'")
-        if not (0 < self.ratio_bottom < 1 and 0 < self.ratio_upper < 1):
-            raise ValueError("promotion ratios must be in (0, 1)")
-        if self.page_size < 2:
-            raise ValueError("page_size must be >= 2")
 
 
 class DCITree:
@@ -410,9 +338,9 @@ class DCITree:
     def _walk(self, g: int, call) -> object:
         """Run a shared-walk kernel ``call(mark, ids, pages, scores) -> (result, ok)`` with this
         thread's scratch, growing it until the walk fits."""
-        rows = walk_rows(self.n, self.beam_for(), g)
+        rows = walk.walk_rows(self.n, self.beam_for(), g)
         while True:
-            mark, sid, spg, ssc = group_scratch(self.n, g, rows)
+            mark, sid, spg, ssc = walk.group_scratch(self.n, g, rows)
             out, ok = call(mark, sid, spg, ssc)
             if ok:
                 return out
@@ -461,33 +389,3 @@ class DCITree:
     def nbytes(self) -> int:
         names = self.POINT_ARRAYS + self.PAGE_ARRAYS
         return int(sum(getattr(self, name).nbytes for name in names))
-
-
-def select_layer(trees: list[DCITree], queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
-    """``trees[h].select_group(queries[h], k, max_pages)`` for every KV head h of a layer, the
-    heads walked in parallel by one numba call (per-tree calls when a tree is empty or does not
-    use shared walks).
-
-    queries: (H, G, d). On this 2-core CPU a decode step's index queries are memory bound (a
-    core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
-    """
-    H = len(trees)
-    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
-        return [t.select_group(queries[h], k, max_pages) for h, t in enumerate(trees)]
-    queries = np.ascontiguousarray(queries, dtype=np.float32)
-    g = queries.shape[1]
-    beams = np.array([t.beam_for() for t in trees], np.int64)
-    out = np.empty((H, max_pages), np.int32)
-    lens = np.zeros(H, np.int64)
-    ok = np.zeros(H, np.bool_)
-    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h]), g), slot=h)
-               for h, t in enumerate(trees)]
-    kernels.select_heads_shared(
-        queries, k, max_pages, beams, tuple(t.PX for t in trees),
-        np.array([t.top_level for t in trees], np.int64), tuple(t.first_page for t in trees),
-        tuple(t.next_page for t in trees), tuple(t.members for t in trees),
-        tuple(t.count for t in trees), tuple(t.node_size for t in trees),
-        tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
-        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok)
-    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages)
-            for h in range(H)]

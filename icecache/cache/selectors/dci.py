@@ -8,10 +8,10 @@ import os
 import numpy as np
 
 from ...index import DCITree
-from ...index.tree import select_layer
+from ...index.walk import select_layer
 from .base import HeadIndexes, register
 
-# A layer's KV heads queried by one parallel numba call (index.tree.select_layer); 0: one by one.
+# A layer's KV heads queried by one parallel numba call (index.walk.select_layer); 0: one by one.
 PARALLEL_HEADS = os.environ.get("ICECACHE_PARALLEL_HEADS", "1") != "0"
 
 

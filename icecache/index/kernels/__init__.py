@@ -1,0 +1,27 @@
+"""numba kernels of the DCI-tree, by stage: :mod:`.build` (placing points), :mod:`.query` (a lone
+query's walk), :mod:`.shared` (a group's shared walk, heads in parallel), :mod:`.pages` (points ->
+ranked pages, the GQA merge). All are ``nogil``, so several heads' trees can be searched at once.
+
+Layout (one tree, one KV head; ``n`` points, ``D = head_dim + 1`` after the inner-product
+transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
+
+- The transformed keys (D float32 each) live only in ``PX``, page-major, at the point's
+  ``tok_page``/``tok_slot``; the kernels that place or parent new points take those points' rows
+  (``rows``) from the caller. ``proj``: (cap,) float32 projection on the tree's random
+  direction; ``level``: (cap,) int8, 0 = bottom; ``parent``: (cap,) int32 node id.
+- ``first_page``: (cap + 1,) int32, a node's first child page (-1: none); ``node_size``:
+  (cap + 1,) int32 children per node.
+- pages: ``members`` (pcap, S) int32 point ids; ``count`` (pcap,); ``next_page`` (pcap,) the
+  node's next page in projection order; ``owner`` (pcap,) node id; ``lo``/``hi`` (pcap,) float32
+  projection range of the members; ``dirty`` (pcap,) bool.
+- ``tok_page``/``tok_slot``: (cap,) int32, where each point sits.
+"""
+
+from .build import attach_sorted, insert_child, nearest_among, parents_by_tree
+from .pages import group_pages, merge_ranked, ranked_pages
+from .query import query_tree, search_many, select_group, topk_indices
+from .shared import best_pages, search_group_shared, select_group_shared, select_heads_shared
+
+__all__ = ["attach_sorted", "best_pages", "group_pages", "insert_child", "merge_ranked", "nearest_among",
+           "parents_by_tree", "query_tree", "ranked_pages", "search_group_shared", "search_many",
+           "select_group", "select_group_shared", "select_heads_shared", "topk_indices"]

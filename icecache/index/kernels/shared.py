@@ -1,0 +1,201 @@
+"""numba kernels of the shared group walk: a GQA group's queries walk a DCI-tree together (each
+child read once, scored against every query), and a layer's KV heads walked in parallel.
+
+References: :func:`search_group_shared` with a beam over every node is
+``icecache.index.reference.exact_topk`` per query; :func:`select_group_shared` equals
+``group_pages`` of the group's top points (tests/test_index.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import njit, prange
+
+from .pages import group_pages, merge_ranked
+from .query import topk_indices
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_ids, out_pages,
+                      out_scores, m):
+    """All children of ``node`` scored against every row of ``V`` (g, d): one read per page.
+
+    The last column of the transformed keys is not read: the queries' is zero.
+    """
+    g, D = V.shape
+    pg = first_page[node]
+    while pg >= 0:
+        for s in range(count[pg]):
+            for r in range(g):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += PX[pg, s, d] * V[r, d]
+                out_scores[m, r] = acc
+            out_ids[m] = members[pg, s]
+            out_pages[m] = pg
+            m += 1
+        pg = next_page[pg]
+    return m
+
+
+@njit(nogil=True, cache=True)
+def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count, node_size,
+                 mark, scratch_ids, scratch_pages, scratch_scores):
+    """The group's shared walk down the tree; returns (rows scored, query norms), or -1 rows
+    when the scratch arrays are too short (the caller grows them and walks again).
+
+    At each level the union of every query's ``beam`` best nodes is expanded, and each child is
+    read once and scored against all queries (a GQA group's queries share one KV head, and
+    reading the index, not arithmetic, is what a query costs). Row i of ``scratch_ids`` /
+    ``scratch_pages`` / ``scratch_scores`` holds a scored point, its page and its score per
+    query (unit-norm queries); a page's rows are contiguous, and each page is scanned once.
+    """
+    g, d = queries.shape
+    V = np.zeros((g, d), np.float32)
+    norms = np.empty(g, np.float32)
+    for r in range(g):
+        acc = 0.0
+        for j in range(d):
+            acc += queries[r, j] * queries[r, j]
+        norms[r] = max(np.sqrt(acc), 1e-12)
+        for j in range(d):
+            V[r, j] = queries[r, j] / norms[r]
+    stamp = mark[0] + 1  # mark[0] counts calls; node 0 (the root) is never marked
+    mark[0] = stamp
+    frontier = np.zeros(1, np.int64)
+    kept = 0
+    lvl = top_level
+    while lvl >= 0:
+        m = kept
+        rows = scratch_ids.shape[0]
+        for f in range(frontier.shape[0]):
+            if m + node_size[frontier[f]] > rows:
+                return -1, norms
+            m = _scan_node_shared(frontier[f], V, PX, first_page, next_page, members, count,
+                                  scratch_ids, scratch_pages, scratch_scores, m)
+        if lvl > 0 and m > kept:
+            nxt = np.empty(g * min(beam, m - kept), np.int64)
+            nn = 0
+            for r in range(g):
+                best = topk_indices(scratch_scores[kept:m, r].copy(), min(beam, m - kept))
+                for t in range(best.shape[0]):
+                    node = scratch_ids[kept + best[t]] + 1
+                    if mark[node] != stamp:
+                        mark[node] = stamp
+                        nxt[nn] = node
+                        nn += 1
+            frontier = nxt[:nn]
+        kept = m
+        lvl -= 1
+    return kept, norms
+
+
+@njit(nogil=True, cache=True)
+def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
+                        node_size, mark, scratch_ids, scratch_pages, scratch_scores, out_ids,
+                        out_scores):
+    """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
+
+    Each query keeps its own beam and its own top-``k``, chosen among everything the group
+    scanned (on clustered test data this finds more of the true top keys than lone walks with
+    the same beam). ``mark``: int64 per node (n + 1), reused across calls; ``scratch_scores``:
+    (rows, g). Returns False when the scratch was too short (nothing written).
+    """
+    g = queries.shape[0]
+    kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members,
+                               count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    if kept < 0:
+        return False
+    for r in range(g):
+        col = scratch_scores[:kept, r].copy()
+        kk = min(k, kept)
+        order = topk_indices(col, kk)
+        for t in range(k):
+            if t < kk:
+                out_ids[r, t] = scratch_ids[order[t]]
+                out_scores[r, t] = col[order[t]] * norms[r]
+            else:
+                out_ids[r, t] = -1
+                out_scores[r, t] = -np.inf
+    return True
+
+
+@njit(nogil=True, cache=True)
+def best_pages(scratch_pages, scratch_scores, kept, r, max_pages):
+    """Query ``r``'s pages ranked by their best scored member, at most ``max_pages``.
+
+    The same list as ``ranked_pages`` of the query's top ``max_pages x page_size`` points (a
+    page's rank there is its best member's rank, and that many points cannot hold more than
+    ``max_pages`` distinct pages before the last one's best member), without ranking the points.
+    A page's scanned rows are one contiguous run (see ``_walk_shared``).
+    """
+    pages = np.empty(kept, np.int32)
+    best = np.empty(kept, np.float32)
+    n = 0
+    i = 0
+    while i < kept:
+        p = scratch_pages[i]
+        b = scratch_scores[i, r]
+        i += 1
+        while i < kept and scratch_pages[i] == p:
+            if scratch_scores[i, r] > b:
+                b = scratch_scores[i, r]
+            i += 1
+        pages[n] = p
+        best[n] = b
+        n += 1
+    order = topk_indices(best[:n], min(max_pages, n))
+    return pages[order]
+
+
+@njit(nogil=True, cache=True)
+def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
+                        members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
+                        scratch_scores):
+    """``select_group`` with the shared walk of ``search_group_shared``.
+
+    When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
+    query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
+    its top-``k`` points: the same pages, without sorting ``k`` points per query. Returns
+    (pages, False) when the scratch was too short.
+    """
+    g = queries.shape[0]
+    if k < max_pages * PX.shape[1]:
+        ids = np.empty((g, k), np.int32)
+        scores = np.empty((g, k), np.float32)
+        if not search_group_shared(queries, k, beam, PX, top_level, first_page, next_page,
+                                   members, count, node_size, mark, scratch_ids, scratch_pages,
+                                   scratch_scores, ids, scores):
+            return np.empty(0, np.int32), False
+        return group_pages(ids, tok_page, max_pages), True
+    kept, _ = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
+                           node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    if kept < 0:
+        return np.empty(0, np.int32), False
+    lists = np.empty((g, max_pages), np.int32)
+    lens = np.zeros(g, np.int64)
+    for r in range(g):
+        pages = best_pages(scratch_pages, scratch_scores, kept, r, max_pages)
+        lists[r, : pages.shape[0]] = pages
+        lens[r] = pages.shape[0]
+    return merge_ranked(lists, lens, max_pages), True
+
+
+@njit(parallel=True, cache=True)
+def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
+                        members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
+                        lens, ok):
+    """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
+    (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
+    head's scratch come as tuples indexed by head. Writes head h's pages to
+    ``out[h, :lens[h]]``; ``ok[h]`` is False when its scratch was too short (nothing written)."""
+    H = queries.shape[0]
+    for h in prange(H):
+        pages, good = select_group_shared(
+            queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
+            members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
+            sscs[h])
+        ok[h] = good
+        lens[h] = pages.shape[0]
+        for i in range(pages.shape[0]):
+            out[h, i] = pages[i]
