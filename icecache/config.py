@@ -27,6 +27,7 @@ from .errors import ProfileError
 DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse")
 HOST_DTYPES = ("auto",) + DTYPES
+POSITIONS = ("auto", "true", "remap")
 MAX_THREADS = 256
 
 
@@ -62,6 +63,9 @@ class Settings:
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
     host_dtype: str = "auto"  # the host store's: auto = float16 for a float32 model, else the model's
+    # Positions past the trained context: "remap" gives every attended token a distance the model
+    # was trained on, "true" keeps true distances, "auto" remaps when a run outgrows the context.
+    positions: str = "auto"
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -133,6 +137,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:
         raise bad("dense_window", "must be > 0")
+    if s.positions not in POSITIONS:
+        raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget

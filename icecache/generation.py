@@ -113,6 +113,7 @@ class Session:
         self.stop_ids = stop_token_ids(loaded)
         self.cache = None
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
+        self.new_tokens = 0  # the generation room of the current run (positions: auto reads it)
         # on_token(tokens so far, stats): called with [] when a generation starts and after each
         # new token (the live panel and streamed text read it).
         self.on_token: Callable[[list[int], GenerationStats], None] | None = None
@@ -135,14 +136,19 @@ class Session:
                 self.cache.crop(-drop)  # a negative count removes that many trailing tokens
             del self.cached_ids[keep:]
             return keep
-        self.cache = make_cache(self.method, self.loaded.model, self.settings)
+        self.cache = make_cache(self.method, self.loaded.model, self.settings, len(ids) + self.new_tokens)
         self.cached_ids = []
         return 0
+
+    @property
+    def positions(self) -> str:
+        """How the current cache sets RoPE positions: ``remap`` or ``true``."""
+        return "remap" if getattr(self.cache, "remap", None) is not None else "true"
 
     @torch.inference_mode()
     def adopt(self, pre: Prefilled) -> None:
         """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
-        self.cache = make_cache(self.method, self.loaded.model, self.settings)
+        self.cache = make_cache(self.method, self.loaded.model, self.settings, len(pre.ids) + self.new_tokens)
         for i, (k, v) in enumerate(pre.kv):
             q = pre.obs_queries.get(i)
             if q is not None and hasattr(self.cache, "observe"):
@@ -154,6 +160,7 @@ class Session:
     def generate_from(self, pre: Prefilled, max_new_tokens: int, on_progress: Progress | None = None,
                       repetition_penalty: float = 1.0) -> tuple[list[int], GenerationStats]:
         """:meth:`generate` for ``pre.ids``, starting from the shared prefill ``pre``."""
+        self.new_tokens = max_new_tokens
         self.adopt(pre)
         stats = GenerationStats(tokens_in=len(pre.ids), tokens_prefilled=len(pre.ids),
                                 prefill_seconds=pre.seconds)
@@ -173,6 +180,7 @@ class Session:
         answer may need to quote) less likely: positive logits are divided by it, negative ones
         multiplied. Decoding stays deterministic.
         """
+        self.new_tokens = max_new_tokens
         logits, stats = self.prefill(ids, on_progress)
         return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
 

@@ -141,17 +141,40 @@ def prepare_model(method: str, model: Any, settings: Settings | None = None) -> 
         model.set_attn_implementation(name)
 
 
-def make_cache(method: str, model: Any, settings: Settings) -> Any:
-    """A fresh cache object for one sequence under ``method``."""
+def positions(method: str, model: Any, settings: Settings, tokens: int) -> str:
+    """``true`` or ``remap``: how a run of ``tokens`` (prompt + generation) under ``method`` sets
+    RoPE positions (``settings.positions``; only the paged methods can remap)."""
+    from .cache.positions import RopeFrame, choose
+
+    if get(method).cache != "paged":
+        if settings.positions == "remap":
+            raise UsageError(f"positions: remap works with the paged methods, not '{method}'")
+        return "true"
+    try:
+        return choose(settings.positions, RopeFrame.from_model(model), tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
+def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> Any:
+    """A fresh cache object for one sequence of about ``tokens`` tokens (prompt + generation;
+    it decides ``positions: auto``) under ``method``."""
     m = get(method)
     check_prefill(method, settings)
     prepare_model(method, model, settings)
     layers = model.config.num_hidden_layers
     if m.cache == "paged":
         from .cache import IceCache
+        from .cache.positions import Remap, RopeFrame
 
-        return IceCache(layers, ice_spec(settings, m), dense_layers=settings.dense_layers,
-                        reuse_every=settings.reuse_every if m.reuse else 1, device=model.device)
+        spec = ice_spec(settings, m)
+        remap = None
+        if positions(method, model, settings, tokens) == "remap":
+            remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack)
+        return IceCache(layers, spec, dense_layers=settings.dense_layers,
+                        reuse_every=settings.reuse_every if m.reuse else 1, device=model.device,
+                        remap=remap)
+    positions(method, model, settings, tokens)  # an explicit remap is an error here
     if m.cache == "oracle":
         from .cache import OracleCache, OracleSpec
 

@@ -13,6 +13,7 @@ from .current import current
 from .dense import GrowingLayer, dense_attention, windowed_dense
 from .ice import IceCache
 from .ice_layer import IceLayer
+from .positions import RemapDenseLayer
 
 NAME = "icecache"
 _registered = False
@@ -32,8 +33,12 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
             return layer.attend(query[0], scale), None
         layer.observe(query[0])
     elif isinstance(layer, GrowingLayer):
+        if isinstance(layer, RemapDenseLayer) and query.shape[2] == 1:
+            return layer.attend(query, scale), None
         if query.shape[2] > 1 and cache.spec.sparse_prefill:
-            out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale)
+            frame = cache.remap.frame if cache.remap is not None else None
+            out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale,
+                                 frame=frame)
             if out is not None:
                 return out, None
         return dense_attention(module, query, key, value, attention_mask, scaling=scaling,

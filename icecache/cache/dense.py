@@ -150,11 +150,13 @@ def dense_attention(module, query, key, value, attention_mask, scaling=None, dro
                                   dropout=dropout, **kwargs)
 
 
-def windowed_dense(query, key, value, sink: int, window: int, scaling):
+def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=None):
     """Sparse prefill in a dense layer: the chunk attends to the first ``sink`` tokens and the
     ``window`` tokens before it (plus itself, causally), not to the whole prefix.
 
-    query (1, Hq, C, d); key, value (1, H, n, d) with the chunk as the last C rows.
+    query (1, Hq, C, d); key, value (1, H, n, d) with the chunk as the last C rows. ``frame``
+    (positions remapped, :mod:`.positions`): the sink keys are rotated to sit just before the
+    window instead of at their true distance.
     """
     import torch.nn.functional as F
 
@@ -162,7 +164,10 @@ def windowed_dense(query, key, value, sink: int, window: int, scaling):
     w0 = n - C - window
     if w0 <= sink:
         return None  # the whole prefix fits: ordinary causal attention
-    k = torch.cat([key[:, :, :sink], key[:, :, w0:]], dim=2)
+    sink_k = key[:, :, :sink]
+    if frame is not None:
+        sink_k = frame.rotate(sink_k, torch.arange(sink), torch.arange(sink) + w0 - sink)
+    k = torch.cat([sink_k, key[:, :, w0:]], dim=2)
     v = torch.cat([value[:, :, :sink], value[:, :, w0:]], dim=2)
     L = k.shape[2]
     mask = torch.ones(C, L, dtype=torch.bool, device=query.device)

@@ -20,25 +20,28 @@ from . import current
 from .backend import TorchBackend
 from .dense import GrowingLayer
 from .ice_layer import IceLayer
+from .positions import Remap, RemapDenseLayer
 from .spec import IceSpec, StepStats
 
 
 class IceCache(Cache):
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
-                 reuse_every: int = 1, device: torch.device | str = "cpu"):
+                 reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None):
         self.spec = spec
+        self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
         self.stats = StepStats()
         layers: list = []
         anchor = None
         for i in range(num_layers):
             if i < dense_layers:
-                layers.append(GrowingLayer())
+                layers.append(GrowingLayer() if remap is None else
+                              RemapDenseLayer(remap, spec.sink_tokens, spec.dense_window))
                 continue
             if reuse_every > 1 and (i - dense_layers) % reuse_every:
-                layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor))
+                layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor, remap=remap))
             else:
-                anchor = IceLayer(i, spec, self.backend, self.stats)
+                anchor = IceLayer(i, spec, self.backend, self.stats, remap=remap)
                 layers.append(anchor)
         super().__init__(layers=layers)
         self.num_dense = dense_layers
@@ -74,8 +77,9 @@ class IceCache(Cache):
 
     # -- what it holds ----------------------------------------------------------------------------
     def dense_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """Every layer's keys and values (1, H, T, d) in token order (copies for ice layers)."""
-        return [layer.dense_kv() if isinstance(layer, IceLayer) else (layer.keys, layer.values)
+        """Every layer's keys and values (1, H, T, d) in token order, at their true positions
+        (copies for ice layers and remapped dense layers)."""
+        return [layer.dense_kv() if isinstance(layer, (IceLayer, RemapDenseLayer)) else (layer.keys, layer.values)
                 for layer in self.layers]
 
     def release_indexes(self) -> None:

@@ -30,6 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backend import TorchBackend
 from .host_store import HostStore
 from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa
+from .positions import Remap, remap_decode
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
 from .spec import IceSpec, StepStats
@@ -42,8 +43,9 @@ class IceLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, layer_idx: int, spec: IceSpec, backend: TorchBackend, stats: StepStats,
-                 anchor: IceLayer | None = None):
+                 anchor: IceLayer | None = None, remap: Remap | None = None):
         super().__init__()
+        self.remap = remap  # positions remapped (positions.py); None: true positions
         self.layer_idx = layer_idx
         self.spec = spec
         self.backend = backend
@@ -154,13 +156,21 @@ class IceLayer(CacheLayerMixin):
             # copies would hold two stores at a time).
             capacity = max(capacity, self.prompt_tokens - sink + 256)
         self.store = HostStore(self.backend, self.heads, self.head_dim, self.host_dtype, capacity)
-        self.store.append(k[:, sink : sink + middle].to("cpu"), v[:, sink : sink + middle].to("cpu"))
+        mid_k = self._position_free(k[:, sink : sink + middle], sink)
+        self.store.append(mid_k.to("cpu"), v[:, sink : sink + middle].to("cpu"))
         self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
         if self.indexed:
             t0 = time.perf_counter()
             points = max(16, middle + 4 * S, capacity if spec.sparse_prefill else 0)
-            self.selector.build(k, sink, sink + middle, points)
+            self.selector.build(k, sink, sink + middle, points, None if self.remap is None else mid_k)
             self.stats.index_build_s += time.perf_counter() - t0
+
+    def _position_free(self, keys: torch.Tensor, first: int) -> torch.Tensor:
+        """Keys (heads, m, d) of tokens ``first ..`` as the host store holds them: un-rotated
+        when positions are remapped, else as they are."""
+        if self.remap is None:
+            return keys
+        return self.remap.frame.rotate(keys, torch.arange(first, first + keys.shape[1]), 0)
 
     @property
     def indexed(self) -> bool:
@@ -181,7 +191,9 @@ class IceLayer(CacheLayerMixin):
         """The window's oldest ``m`` tokens to the host store and the index (in the background
         when pipelining a run longer than a page; the next step on this layer waits for it)."""
         self.wait()
+        first = self.resident.sink_fill + self.store.rows  # the oldest row's position
         old_k, old_v = self.resident.pop_oldest(m)
+        old_k = self._position_free(old_k, first)
         if self.spec.pipeline and m > self.spec.page_size:
             self._job = (WORKER.submit(self._store, old_k, old_v), "evict")
         else:
@@ -227,21 +239,50 @@ class IceLayer(CacheLayerMixin):
         window -> (1, C, query heads, d). C = 1 at a decode step; a sparse-prefill chunk has a
         few of its positions choose the pages for all of it."""
         Hq, C, d = query.shape
+        if C > 1:
+            return self._attend_chunk(query, scale)
         H = self.heads
-        G = Hq // H
-        if C == 1:
+        q = query[:, 0].view(H, self.group(Hq), d)
+        if self.remap is None:
             self.select(query[:, 0])
-        else:
-            pos = torch.from_numpy(chunk_positions(C, self.spec.prefill_queries)).to(query.device)
-            self.select(query[:, pos].reshape(Hq * len(pos), d), pages=self.spec.prefill_pages)
+        else:  # a query per region; the pages' query selects (the index is position-free too)
+            qs = self.remap.query_regions(q, self.length - 1, self.resident.sink_fill)
+            self.select(qs[1].reshape(Hq, d))
         self.load()
         t0 = time.perf_counter()
         k, v, valid = self.resident.tensors()
-        if C == 1:
-            out = paged_decode_sdpa(query[:, 0].view(H, G, d), k, v, valid, scale)
-            self.stats.attention_s += time.perf_counter() - t0
-            return out.reshape(1, 1, Hq, d)
-        out = paged_chunk_sdpa(query.view(H, G, C, d), k, v, valid, self.resident.chunk_at, scale)
+        if self.remap is None:
+            out = paged_decode_sdpa(q, k, v, valid, scale)
+        else:
+            out = remap_decode(qs, k, v, valid, self.resident.pool_at, self.resident.window_at, scale)
+        self.stats.attention_s += time.perf_counter() - t0
+        return out.reshape(1, 1, Hq, d)
+
+    def group(self, query_heads: int) -> int:
+        return query_heads // self.heads
+
+    def _attend_chunk(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """A sparse-prefill chunk (query heads, C, d): a few of its positions select the pages;
+        the chunk attends causally to sink + pages + window + itself. With positions remapped the
+        pages sit just before the window and the sink just before them (the resident rows are
+        rotated there, once for the chunk)."""
+        Hq, C, d = query.shape
+        r = self.resident
+        at = chunk_positions(C, self.spec.prefill_queries)
+        sel = query[:, torch.from_numpy(at).to(query.device)]  # (Hq, n, d)
+        if self.remap is not None:
+            pages_at = self.length - r.window_fill - self.spec.page_size  # where the pages sit
+            true = torch.from_numpy(at) + (self.length - C)
+            sel = self.remap.frame.rotate(sel, true, true - pages_at)
+        self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages)
+        self.load()
+        k, v, valid = r.tensors()
+        if self.remap is not None:
+            frame, s = self.remap.frame, r.sink_fill
+            k = k.clone()
+            k[:, :s] = frame.rotate(k[:, :s], torch.arange(s), torch.arange(s) + pages_at - s)
+            k[:, r.pool_at : r.window_at] = frame.rotate(k[:, r.pool_at : r.window_at], 0, pages_at)
+        out = paged_chunk_sdpa(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
         self.after_chunk()
         return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
 
@@ -283,10 +324,12 @@ class IceLayer(CacheLayerMixin):
             return self.keys, self.values
         r, s = self.resident, self.store
         w = slice(r.window_at, r.window_at + r.window_fill)
+        host_k = s.keys[:, : s.rows].to(r.keys.device, r.keys.dtype)
+        if self.remap is not None:  # back from the position-free frame to true positions
+            host_k = self.remap.frame.rotate(host_k, 0, torch.arange(r.sink_fill, r.sink_fill + s.rows))
         parts = []
-        for res, host in ((r.keys, s.keys), (r.values, s.values)):
-            parts.append(torch.cat([res[:, : r.sink_fill], host[:, : s.rows].to(res.device, res.dtype),
-                                    res[:, w]], dim=1)[None])
+        for res, host in ((r.keys, host_k), (r.values, s.values[:, : s.rows])):
+            parts.append(torch.cat([res[:, : r.sink_fill], host.to(res.device, res.dtype), res[:, w]], dim=1)[None])
         return parts[0], parts[1]
 
     def release_index(self) -> None:

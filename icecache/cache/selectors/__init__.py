@@ -37,10 +37,12 @@ class PageSelector(Protocol):
     def observe(self, queries: torch.Tensor) -> None:
         """The prompt's queries at a prefill chunk (query heads, chunk, head_dim)."""
 
-    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int) -> None:
+    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
+              middle: torch.Tensor | None = None) -> None:
         """Index the offloaded prompt tokens ``lo .. hi-1`` of ``prompt_keys`` (heads, T, d)
         as points ``0 .. hi-lo-1``, one index per KV head; ``capacity``: the points expected
-        in all."""
+        in all; ``middle``: those tokens' keys as the host store holds them (un-rotated when
+        positions are remapped), if not ``prompt_keys[:, lo:hi]``."""
 
     def insert(self, keys: torch.Tensor) -> None:
         """Index newly offloaded keys (heads, m, d) on the host, as the next point ids."""

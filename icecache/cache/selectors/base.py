@@ -46,8 +46,10 @@ class HeadIndexes:
     def observe(self, queries: torch.Tensor) -> None:
         pass
 
-    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int) -> None:
-        keys = prompt_keys[:, lo:hi].float().cpu().numpy()  # the keys before any host rounding
+    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
+              middle: torch.Tensor | None = None) -> None:
+        middle = prompt_keys[:, lo:hi] if middle is None else middle
+        keys = middle.float().cpu().numpy()  # the keys before any host rounding
         self.head_dim = keys.shape[2]
         self.indexes, self.versions = [], []
         for h in range(keys.shape[0]):

@@ -84,12 +84,13 @@ class SnapKVSelector(HeadIndexes):
     def observe(self, queries: torch.Tensor) -> None:
         self.queries = queries[:, -self.spec.observation :].detach()
 
-    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int) -> None:
+    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
+              middle: torch.Tensor | None = None) -> None:
         if self.queries is not None:
             self.votes = snap_votes(self.queries, prompt_keys, lo, hi - lo, prompt_keys.shape[-1] ** -0.5)
         else:
             self.votes = np.zeros((prompt_keys.shape[0], hi - lo))
-        super().build(prompt_keys, lo, hi, capacity)
+        super().build(prompt_keys, lo, hi, capacity, middle)
 
     def new_index(self, head: int, capacity: int) -> SnapIndex:
         return SnapIndex(self.spec.page_size, self.spec.budget_pages, self.votes[head])

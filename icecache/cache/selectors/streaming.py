@@ -19,7 +19,7 @@ class StreamingSelector:
     def observe(self, queries: torch.Tensor) -> None:
         pass
 
-    def build(self, prompt_keys, lo: int, hi: int, capacity: int) -> None:
+    def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
         pass
 
     def insert(self, keys) -> None:

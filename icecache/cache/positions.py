@@ -1,0 +1,195 @@
+"""Positions the model knows: re-rotating RoPE keys and queries.
+
+A model trained on ``trained`` positions has never seen a query-key distance beyond that, so a
+long document's far tokens must not be attended at their true distance. With ``positions:
+remap`` every attended token gets a distance inside the trained range (InfLLM's and
+StreamingLLM's idea, on IceCache's pages):
+
+- the recent window (and a prefill chunk) at its true distance;
+- pages brought back from the host store all at one distance ``D`` just beyond the window
+  (``window_tokens + page_size``);
+- the sink tokens at their own positions, just before those pages (distance ``D + s - j`` for
+  sink token ``j`` of ``s``).
+
+RoPE rotates each pair of channels by ``position x inv_freq``, and rotations compose: a key
+rotated at position ``a`` becomes the key at ``b`` by one more rotation by ``b - a`` with the same
+inverse frequencies (Llama 3, YaRN and linear scaling only change the frequencies; YaRN's
+attention scaling multiplies cos and sin once and is not applied again). So offloaded keys are
+stored un-rotated (a position-free frame, which the index searches too) and a step rotates its
+*query* per region of the resident rows (:func:`remap_decode`); a sparse-prefill chunk, which has
+many queries, rotates the few resident sink and page rows instead.
+
+Angles are computed as transformers computes them (float32 ``position x inv_freq``), and a
+rotation from ``a`` to ``b`` uses the float64 difference of those angles, so un-rotating a key
+inverts the model's own rotation to float rounding at any position.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from .dense import GrowingLayer
+
+MODES = ("auto", "true", "remap")
+COMPOSABLE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies are fixed
+
+
+@dataclass(frozen=True)
+class RopeFrame:
+    """The model's RoPE: ``inv_freq`` (rotary_dim / 2,) float32, the trained context length."""
+
+    inv_freq: torch.Tensor
+    trained: int
+    rope_type: str = "default"
+
+    @property
+    def rotary_dim(self) -> int:
+        return 2 * self.inv_freq.shape[0]
+
+    @staticmethod
+    def from_model(model) -> RopeFrame | None:
+        """The frame of ``model``'s rotary embedding (None if it has none)."""
+        rot = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)),
+                   None)
+        if rot is None:
+            return None
+        cfg = model.config
+        params = getattr(cfg, "rope_parameters", None) or {}
+        if "rope_type" not in params and isinstance(next(iter(params.values()), None), dict):
+            params = {}  # per-layer-type parameters: not handled here
+        rope_type = params.get("rope_type", getattr(rot, "rope_type", "default"))
+        trained = int(params.get("original_max_position_embeddings") or cfg.max_position_embeddings)
+        inv = getattr(rot, "original_inv_freq", None) if rope_type == "dynamic" else None
+        inv = rot.inv_freq if inv is None else inv
+        return RopeFrame(inv.detach().float().cpu().clone(), trained, rope_type)
+
+    @property
+    def composable(self) -> bool:
+        return self.rope_type in COMPOSABLE
+
+    def angles(self, positions: torch.Tensor) -> torch.Tensor:
+        """(n,) positions -> (n, rotary_dim / 2) angles, as the model computes them (float32)."""
+        return positions.float()[:, None] * self.inv_freq[None, :]
+
+    def rotation(self, src, dst, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, rotary_dim) of the rotation taking positions ``src`` to ``dst``
+        (ints or (n,) tensors, broadcast)."""
+        src = torch.as_tensor(src, dtype=torch.int64).reshape(-1)
+        dst = torch.as_tensor(dst, dtype=torch.int64).reshape(-1)
+        n = max(len(src), len(dst))
+        a = self.angles(src.expand(n)).double()
+        b = self.angles(dst.expand(n)).double()
+        delta = torch.cat([b - a, b - a], dim=-1)
+        return delta.cos().to(device), delta.sin().to(device)
+
+    def rotate(self, x: torch.Tensor, src, dst) -> torch.Tensor:
+        """``x`` (..., n, head_dim) rotated from positions ``src`` to ``dst`` (per row or one
+        for all rows); channels past ``rotary_dim`` are left as they are."""
+        cos, sin = self.rotation(src, dst, x.device)
+        r = self.rotary_dim
+        head = x[..., :r].float()
+        half = r // 2
+        turned = torch.cat([-head[..., half:], head[..., :half]], dim=-1)
+        out = (head * cos + turned * sin).to(x.dtype)
+        return out if r == x.shape[-1] else torch.cat([out, x[..., r:]], dim=-1)
+
+
+def choose(mode: str, frame: RopeFrame | None, tokens: int) -> str:
+    """``true`` or ``remap`` for a run of ``tokens`` (prompt + generation): ``auto`` remaps only
+    when the run goes past the trained context and the model's RoPE composes."""
+    if mode not in MODES:
+        raise ValueError(f"positions must be one of {', '.join(MODES)}, got {mode!r}")
+    if mode == "true":
+        return "true"
+    if frame is None or not frame.composable:
+        if mode == "remap":
+            what = "no rotary embedding" if frame is None else f"RoPE type '{frame.rope_type}'"
+            raise ValueError(f"positions: remap needs a RoPE whose frequencies are fixed; this model has {what}")
+        return "true"
+    if mode == "remap":
+        return "remap"
+    return "remap" if tokens > frame.trained else "true"
+
+
+@dataclass(frozen=True)
+class Remap:
+    """The remap rule of an ice cache: distances for pages (``page_distance``) and sink."""
+
+    frame: RopeFrame
+    page_distance: int  # where pages from the host store sit: just beyond the window
+
+    def query_regions(self, q: torch.Tensor, pos: int, sink: int, distance: int | None = None) -> torch.Tensor:
+        """A decode step's query heads ``q`` (..., d) at true position ``pos`` -> (3, ..., d): the
+        query for the sink rows, for the pool rows (un-rotated keys, at ``distance``, default
+        ``page_distance``), for the window rows."""
+        D = self.page_distance if distance is None else distance
+        flat = q.reshape(-1, q.shape[-1])
+        sink_q = self.frame.rotate(flat, pos, D + sink)
+        pool_q = self.frame.rotate(flat, pos, D)
+        return torch.stack([sink_q.reshape(q.shape), pool_q.reshape(q.shape), q])
+
+
+def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
+                 pool_at: int, window_at: int, scaling: float) -> torch.Tensor:
+    """One decode step with a query per region: qs (3, H, G, d) for rows [0, pool_at) (sink),
+    [pool_at, window_at) (pool) and [window_at, L) (window); k, v (H, L, d); valid (H, L)
+    -> (H, G, d). Softmax over all regions at once, in float32."""
+    parts = [torch.einsum("hgd,hld->hgl", qs[i].float(), k[:, lo:hi].float())
+             for i, (lo, hi) in enumerate(((0, pool_at), (pool_at, window_at), (window_at, k.shape[1])))]
+    scores = torch.cat(parts, dim=-1) * scaling
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgl,hld->hgd", probs, v.float()).to(qs.dtype)
+
+
+class RemapDenseLayer(GrowingLayer):
+    """A dense layer of the ice cache with remapped positions: the sink at its own positions, the
+    last ``window`` tokens at their true distance, every older token at one distance just beyond
+    the window. Rows older than the window are un-rotated in place as they age (``flat_upto``:
+    rows ``sink .. flat_upto`` are position-free), so a step costs three small query rotations,
+    not a rotation of the cache."""
+
+    def __init__(self, remap: Remap, sink: int, window: int):
+        super().__init__()
+        # the window at true distances stays well inside the trained context
+        self.remap, self.sink, self.window = remap, sink, min(window, remap.frame.trained // 2)
+        self.flat_upto = sink
+
+    @property
+    def distance(self) -> int:
+        return self.window + self.remap.page_distance
+
+    def _flatten(self) -> int:
+        """Un-rotate the rows that left the window since the last step; return where the window
+        starts."""
+        far_end = max(self.sink, self._n - self.window)
+        if far_end > self.flat_upto:
+            rows = self._k[:, :, self.flat_upto : far_end]
+            self._k[:, :, self.flat_upto : far_end] = self.remap.frame.rotate(
+                rows, torch.arange(self.flat_upto, far_end), 0)
+            self.flat_upto = far_end
+        return far_end
+
+    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+        """A decode step: query (1, Hq, 1, d) at position ``length - 1`` -> (1, 1, Hq, d)."""
+        far_end = self._flatten()
+        H, d = self._k.shape[1], query.shape[-1]
+        q = query[0, :, 0].reshape(H, -1, d)
+        sink = min(self.sink, self._n)
+        qs = self.remap.query_regions(q, self._n - 1, sink, self.distance)
+        valid = torch.ones((H, self._n), dtype=torch.bool, device=query.device)
+        out = remap_decode(qs, self.keys[0], self.values[0], valid, sink, far_end, scale)
+        return out.reshape(1, 1, -1, d)
+
+    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys (true positions) and values (1, H, n, d), a copy."""
+        k = self.keys.clone()
+        if self.flat_upto > self.sink:
+            k[:, :, self.sink : self.flat_upto] = self.remap.frame.rotate(
+                k[:, :, self.sink : self.flat_upto], 0, torch.arange(self.sink, self.flat_upto))
+        return k, self.values.clone()
+
+    def crop(self, tokens_to_remove: int) -> None:
+        raise NotImplementedError("a remapped dense layer cannot be cut back")

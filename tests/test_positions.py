@@ -1,0 +1,169 @@
+"""Positions past the trained context: RoPE re-rotation against the model's own RoPE, and the
+remapped attention against a reference built from keys placed at their remapped positions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icecache.cache.paged import paged_decode_reference
+from icecache.cache.positions import Remap, RopeFrame, choose, remap_decode
+
+ROPES = {
+    "default": {"rope_type": "default", "rope_theta": 10000.0},
+    "linear": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0},
+    "llama3": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
+    "yarn": {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+             "original_max_position_embeddings": 1024},
+}
+
+
+def llama(rope: dict, head_dim: int = 32):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=97, hidden_size=4 * head_dim, intermediate_size=96, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
+                         rope_parameters=dict(rope))
+    return tf.LlamaForCausalLM(cfg).eval()
+
+
+def model_rope(model, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """x (H, n, d) rotated by the model's own rotary embedding at ``positions`` (n,)."""
+    from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+    cos, sin = model.model.rotary_emb(x[None], positions[None])
+    out, _ = apply_rotary_pos_emb(x[None], x[None], cos, sin)
+    return out[0]
+
+
+@pytest.mark.parametrize("rope", list(ROPES))
+def test_rerotation_equals_rope_at_the_new_position(rope):
+    model = llama(ROPES[rope])
+    frame = RopeFrame.from_model(model)
+    assert frame.rope_type == rope and frame.composable
+    assert frame.trained == ROPES[rope].get("original_max_position_embeddings", 4096)
+    x = torch.randn(2, 6, 32)
+    src = torch.tensor([0, 5, 1000, 4096, 70_000, 250_000])
+    dst = torch.tensor([3, 40, 17, 9000, 64, 131_072])
+    at_src = model_rope(model, x, src)
+    moved = frame.rotate(at_src, src, dst)
+    torch.testing.assert_close(moved, model_rope(model, x, dst), atol=2e-4, rtol=1e-4)
+    # back to position 0 and forth again (the host store's position-free frame)
+    torch.testing.assert_close(frame.rotate(frame.rotate(at_src, src, 0), 0, dst), model_rope(model, x, dst),
+                               atol=2e-4, rtol=1e-4)
+    # one position for all rows
+    torch.testing.assert_close(frame.rotate(model_rope(model, x, src), src, 77),
+                               model_rope(model, x, torch.full((6,), 77)), atol=2e-4, rtol=1e-4)
+
+
+def test_dynamic_rope_is_not_remapped():
+    model = llama({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0})
+    frame = RopeFrame.from_model(model)
+    assert not frame.composable
+    assert choose("auto", frame, 10**6) == "true"
+    with pytest.raises(ValueError, match="dynamic"):
+        choose("remap", frame, 10)
+
+
+def test_automatic_choice_remaps_only_past_the_trained_context():
+    frame = RopeFrame(torch.ones(4), trained=8192)
+    assert choose("auto", frame, 8192) == "true" and choose("auto", frame, 8193) == "remap"
+    assert choose("true", frame, 10**6) == "true" and choose("remap", frame, 10) == "remap"
+    assert choose("auto", None, 10**6) == "true"
+    with pytest.raises(ValueError):
+        choose("sometimes", frame, 10)
+
+
+def test_remap_decode_equals_keys_placed_at_their_remapped_positions():
+    """Sink j at distance D + s - j, pool rows (stored un-rotated) at distance D, window rows at
+    their true distance: rotating the query per region equals rotating every key to its place."""
+    model = llama(ROPES["llama3"])
+    frame = RopeFrame.from_model(model)
+    torch.manual_seed(3)
+    H, G, d, s, P, W = 2, 3, 32, 4, 12, 6
+    pos = 30_000  # the query's true position (the reference's float32 angles lose precision far beyond)
+    D = 20
+    raw = torch.randn(H, s + P + W, d)
+    sink_pos = torch.arange(s)
+    win_pos = torch.arange(pos - W, pos)
+    k = torch.cat([model_rope(model, raw[:, :s], sink_pos), raw[:, s : s + P],  # pool: un-rotated
+                   model_rope(model, raw[:, s + P :], win_pos)], dim=1)
+    v = torch.randn(H, s + P + W, d)
+    valid = torch.rand(H, s + P + W) > 0.2
+    valid[:, -1] = True
+    q0 = torch.randn(H * G, 1, d)
+    q = model_rope(model, q0, torch.tensor([pos]))[:, 0].reshape(H, G, d)
+    remap = Remap(frame, D)
+    got = remap_decode(remap.query_regions(q, pos, s), k, v, valid, s, s + P, 0.125)
+    # reference: every key at its remapped position, the query at its true one
+    placed = torch.cat([model_rope(model, raw[:, :s], pos - (D + s - sink_pos)),
+                        model_rope(model, raw[:, s : s + P], torch.full((P,), pos - D)),
+                        model_rope(model, raw[:, s + P :], win_pos)], dim=1)
+    want = paged_decode_reference(q, placed, v, valid, 0.125)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
+
+
+def test_auto_positions_in_make_cache():
+    from icecache.config import Settings
+    from icecache.errors import UsageError
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["default"])  # trained on 4096 positions
+    s = Settings(page_size=4, budget=16, sink_pages=1, window_pages=1, dense_layers=1, max_context=8192)
+    assert make_cache("ice", model, s, tokens=4096).remap is None
+    remapped = make_cache("ice", model, s, tokens=4097)
+    assert remapped.remap is not None and remapped.remap.page_distance == 4 + 4
+    assert make_cache("ice", model, s.replace(positions="true"), tokens=10**6).remap is None
+    make_cache("full", model, s, tokens=10**6)  # auto: full keeps true positions
+    with pytest.raises(UsageError, match="paged"):
+        make_cache("full", model, s.replace(positions="remap"))
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+@pytest.mark.parametrize("dense_layers", [0, 1])
+def test_remapped_store_holds_the_same_keys_in_a_position_free_frame(sparse, dense_layers):
+    """Layer 0's keys depend on the tokens only, so both runs compute the same ones: the remapped
+    cache keeps its offloaded keys un-rotated (host store and index) and gives back the true ones,
+    through a prefill (sparse: chunk by chunk) and decode steps with window evictions."""
+    import numpy as np
+
+    from icecache.config import Settings
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["llama3"])
+    rng = np.random.default_rng(4)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 20).tolist()
+    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, chunk_size=64,
+                 prefill_budget=16, prefill_queries=4, dense_window=32, max_context=8192,
+                 prefill="sparse" if sparse else "full", host_dtype="float32", dense_layers=dense_layers)
+    caches = {}
+    for mode in ("true", "remap"):
+        cache = make_cache("ice", model, s.replace(positions=mode))
+        with torch.inference_mode():
+            cache.begin_prefill(len(prompt))
+            for lo in range(0, len(prompt), 64):
+                model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
+            cache.end_prefill()
+            for t in forced:
+                model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+        caches[mode] = cache
+    if dense_layers:  # layer 0 is a dense layer: rows older than its window are un-rotated
+        dense = caches["remap"].layers[0]
+        assert dense.flat_upto > dense.sink
+        torch.testing.assert_close(dense.dense_kv()[0], caches["true"].layers[0].keys, atol=1e-4, rtol=1e-4)
+        assert not torch.allclose(dense.keys, caches["true"].layers[0].keys, atol=1e-3)
+        return
+    true_layer, remap_layer = caches["true"].layers[0], caches["remap"].layers[0]
+    assert remap_layer.remap is not None and remap_layer.store.rows == true_layer.store.rows > 200
+    k_true, _ = true_layer.dense_kv()
+    k_remap, _ = remap_layer.dense_kv()
+    torch.testing.assert_close(k_remap, k_true, atol=1e-4, rtol=1e-4)
+    # the host store really is position-free: its rows are the keys rotated back to position 0
+    first = remap_layer.resident.sink_fill
+    rows = remap_layer.store.rows
+    at_zero = RopeFrame.from_model(model).rotate(true_layer.store.keys[:, :rows], torch.arange(first, first + rows), 0)
+    torch.testing.assert_close(remap_layer.store.keys[:, :rows], at_zero, atol=1e-4, rtol=1e-4)
+    # later layers attend differently (pages and sink moved closer): the outputs are not the same
+    assert not torch.equal(caches["true"].layers[1].dense_kv()[1], caches["remap"].layers[1].dense_kv()[1])
