@@ -25,7 +25,7 @@ import yaml
 from .errors import ProfileError
 
 DTYPES = ("float32", "bfloat16", "float16")
-PREFILL_MODES = ("full", "sparse")
+PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
 MAX_THREADS = 256
@@ -57,7 +57,9 @@ class Settings:
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
-    prefill: str = "full"  # "full": chunks attend to all before them; "sparse": to selected pages
+    # "full": chunks attend to all before them; "sparse": to selected pages; "auto": full while the
+    # prompt fits the model's trained context and the memory, sparse beyond (methods that can)
+    prefill: str = "full"
     prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to

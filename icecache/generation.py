@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .config import Settings
-from .methods import make_cache
+from .methods import make_cache, plan_run
 from .models import LoadedModel
 
 # on_progress(phase, done, total): phase is "prefill" (tokens) or "decode" (new tokens).
@@ -114,6 +114,7 @@ class Session:
         self.cache = None
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.new_tokens = 0  # the generation room of the current run (positions: auto reads it)
+        self.run_settings: Settings | None = None  # settings with this run's choices made
         # on_token(tokens so far, stats): called with [] when a generation starts and after each
         # new token (the live panel and streamed text read it).
         self.on_token: Callable[[list[int], GenerationStats], None] | None = None
@@ -136,19 +137,31 @@ class Session:
                 self.cache.crop(-drop)  # a negative count removes that many trailing tokens
             del self.cached_ids[keep:]
             return keep
-        self.cache = make_cache(self.method, self.loaded.model, self.settings, len(ids) + self.new_tokens)
+        self.cache = self._new_cache(len(ids))
         self.cached_ids = []
         return 0
 
+    def _new_cache(self, prompt_tokens: int):
+        """A cache for a prompt of ``prompt_tokens``: the prefill mode and positions decided
+        for this run (``run_settings``)."""
+        self.run_settings = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens,
+                                     self.new_tokens)
+        return make_cache(self.method, self.loaded.model, self.run_settings)
+
     @property
     def positions(self) -> str:
-        """How the current cache sets RoPE positions: ``remap`` or ``true``."""
-        return "remap" if getattr(self.cache, "remap", None) is not None else "true"
+        """How the current run sets RoPE positions: ``remap`` or ``true``."""
+        return self.run_settings.positions if self.run_settings else "true"
+
+    @property
+    def prefill_mode(self) -> str:
+        """The current run's prefill: ``full`` or ``sparse``."""
+        return self.run_settings.prefill if self.run_settings else self.settings.prefill
 
     @torch.inference_mode()
     def adopt(self, pre: Prefilled) -> None:
         """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
-        self.cache = make_cache(self.method, self.loaded.model, self.settings, len(pre.ids) + self.new_tokens)
+        self.cache = self._new_cache(len(pre.ids))
         for i, (k, v) in enumerate(pre.kv):
             q = pre.obs_queries.get(i)
             if q is not None and hasattr(self.cache, "observe"):
@@ -195,7 +208,7 @@ class Session:
         start = self._start(ids)
         stats.tokens_prefilled = len(ids) - start
         t0 = time.perf_counter()
-        chunk = self.settings.chunk_size
+        chunk = self.run_settings.chunk_size
         logits = None
         if hasattr(self.cache, "begin_prefill"):
             self.cache.begin_prefill(len(ids) - start)

@@ -156,6 +156,42 @@ def positions(method: str, model: Any, settings: Settings, tokens: int) -> str:
         raise UsageError(str(exc)) from None
 
 
+def full_prefill_bytes(model: Any, settings: Settings, tokens: int) -> int:
+    """Memory a full-attention prefill of ``tokens`` holds at its peak: the whole prompt's keys
+    and values, in the model's dtype, plus one chunk's attention scores (float32)."""
+    cfg = model.config
+    heads = cfg.num_attention_heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    size = {"float32": 4, "bfloat16": 2, "float16": 2}[settings.dtype]
+    kv = 2 * cfg.num_hidden_layers * kv_heads * head_dim * size * tokens
+    scores = 4 * heads * min(tokens, settings.chunk_size) * tokens
+    return kv + scores
+
+
+def prefill_mode(method: str, model: Any, settings: Settings, prompt_tokens: int) -> str:
+    """``full`` or ``sparse`` for a prompt of ``prompt_tokens`` (``settings.prefill``; ``auto``:
+    full attention while the prompt fits the model's trained context and half the profile's
+    memory, sparse beyond, for the methods that can)."""
+    if settings.prefill != "auto":
+        return settings.prefill
+    if not get(method).sparse_prefill:
+        return "full"
+    from .cache.positions import RopeFrame
+
+    frame = RopeFrame.from_model(model)
+    trained = frame.trained if frame is not None else model.config.max_position_embeddings
+    memory = settings.device_memory_gib if settings.device.startswith("cuda") else settings.host_memory_gib
+    fits = not memory or full_prefill_bytes(model, settings, prompt_tokens) <= memory * 2**30 / 2
+    return "full" if prompt_tokens <= trained and fits else "sparse"
+
+
+def plan_run(method: str, model: Any, settings: Settings, prompt_tokens: int, new_tokens: int) -> Settings:
+    """``settings`` with the prefill mode and positions decided for one run (no ``auto`` left)."""
+    return settings.replace(prefill=prefill_mode(method, model, settings, prompt_tokens),
+                            positions=positions(method, model, settings, prompt_tokens + new_tokens))
+
+
 def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> Any:
     """A fresh cache object for one sequence of about ``tokens`` tokens (prompt + generation;
     it decides ``positions: auto``) under ``method``."""

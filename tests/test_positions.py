@@ -167,3 +167,24 @@ def test_remapped_store_holds_the_same_keys_in_a_position_free_frame(sparse, den
     torch.testing.assert_close(remap_layer.store.keys[:, :rows], at_zero, atol=1e-4, rtol=1e-4)
     # later layers attend differently (pages and sink moved closer): the outputs are not the same
     assert not torch.equal(caches["true"].layers[1].dense_kv()[1], caches["remap"].layers[1].dense_kv()[1])
+
+
+def test_automatic_prefill_and_positions_choice():
+    from icecache.config import Settings
+    from icecache.methods import full_prefill_bytes, plan_run, prefill_mode
+
+    model = llama(ROPES["default"])  # trained on 4096 positions
+    s = Settings(prefill="auto", max_context=10**6)
+    assert prefill_mode("ice", model, s, 4096) == "full" and prefill_mode("ice", model, s, 4097) == "sparse"
+    assert prefill_mode("full", model, s, 10**5) == "full"  # it cannot prefill sparsely
+    assert prefill_mode("ice", model, s.replace(prefill="full"), 10**5) == "full"  # as asked
+    need = full_prefill_bytes(model, s, 3000)
+    assert need > 2 * 2 * 4 * 64 * 3000  # at least the keys and values of both layers
+    small = s.replace(host_memory_gib=need / 2**30)  # half of it is less than the prefill needs
+    assert prefill_mode("ice", model, small, 3000) == "sparse"
+    run = plan_run("ice", model, s, 4000, 200)
+    assert (run.prefill, run.positions) == ("full", "remap")  # the generation goes past 4096
+    run = plan_run("ice", model, s, 3000, 200)
+    assert (run.prefill, run.positions) == ("full", "true")
+    run = plan_run("full", model, s, 9000, 10)
+    assert (run.prefill, run.positions) == ("full", "true")

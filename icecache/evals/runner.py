@@ -138,7 +138,8 @@ class Evaluator:
         for i, case in enumerate(cases):
             ids = tok(case.prompt)["input_ids"]
             session = Session(self.loaded, settings, cell.method)
-            if settings.prefill == "sparse":  # each method's own (sparse) prefill
+            if methods_.prefill_mode(cell.method, self.loaded.model, settings, len(ids)) == "sparse":
+                # each method's own (sparse) prefill
                 out, _ = session.generate(ids, new_tokens)
             else:
                 out, _ = session.generate_from(self._prefilled(cell, i, ids), new_tokens)
