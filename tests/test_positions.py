@@ -96,7 +96,7 @@ def test_remap_decode_equals_keys_placed_at_their_remapped_positions():
     q0 = torch.randn(H * G, 1, d)
     q = model_rope(model, q0, torch.tensor([pos]))[:, 0].reshape(H, G, d)
     remap = Remap(frame, D)
-    got = remap_decode(remap.query_regions(q, pos, s), k, v, valid, s, s + P, 0.125)
+    got = remap_decode(remap.query_regions(q, pos, D + s, D), k, v, valid, s, s + P, 0.125)
     # reference: every key at its remapped position, the query at its true one
     placed = torch.cat([model_rope(model, raw[:, :s], pos - (D + s - sink_pos)),
                         model_rope(model, raw[:, s : s + P], torch.full((P,), pos - D)),
@@ -188,3 +188,40 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
     run = plan_run("full", model, s, 9000, 10)
     assert (run.prefill, run.positions) == ("full", "true")
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_remap_with_room_for_every_page_equals_full(sparse):
+    """Pages placed in token order just beyond the window and the sink just before them are the
+    true positions when every page is loaded: remapped ice then decodes exactly like full
+    attention, through a (sparse) prefill and window evictions."""
+    import numpy as np
+
+    from icecache.config import Settings
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["llama3"])
+    rng = np.random.default_rng(6)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
+    s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
+                 prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
+                 prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000)
+    out = {}
+    for method, positions in (("full", "true"), ("ice", "remap")):
+        prefill = "full" if method == "full" else s.prefill
+        cache = make_cache(method, model, s.replace(positions=positions, prefill=prefill))
+        logits = []
+        with torch.inference_mode():
+            if hasattr(cache, "begin_prefill"):
+                cache.begin_prefill(len(prompt))
+            for lo in range(0, len(prompt), 64):
+                r = model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
+            logits.append(r.logits[0, -1])
+            for t in forced:
+                r = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+                logits.append(r.logits[0, -1])
+        out[method] = logits
+        if method == "ice":
+            assert cache.remap is not None and cache.ice_layers()[0].store.rows > 200
+    for a, b in zip(out["full"], out["ice"], strict=True):
+        torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)

@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backend import TorchBackend
 from .host_store import HostStore
 from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa
-from .positions import Remap, remap_decode
+from .positions import Remap, ordered_offsets, remap_decode
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
 from .spec import IceSpec, StepStats
@@ -147,6 +147,7 @@ class IceLayer(CacheLayerMixin):
         window_cap = spec.window_slack + (spec.chunk_tokens if spec.sparse_prefill else 0)
         self.resident = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype,
                                    spec.sink_tokens, S, spec.pool_pages, window_cap)
+        self.resident.track_rows = self.remap is not None  # remapped pages are placed in token order
         self.resident.set_sink(k[:, :sink], v[:, :sink])
         self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
         self.resident.chunk_at = self.resident.chunk_len = 0
@@ -243,18 +244,29 @@ class IceLayer(CacheLayerMixin):
             return self._attend_chunk(query, scale)
         H = self.heads
         q = query[:, 0].view(H, self.group(Hq), d)
+        r = self.resident
         if self.remap is None:
             self.select(query[:, 0])
-        else:  # a query per region; the pages' query selects (the index is position-free too)
-            qs = self.remap.query_regions(q, self.length - 1, self.resident.sink_fill)
-            self.select(qs[1].reshape(Hq, d))
+        else:  # pages sit just beyond the window; their query selects (the index is position-free)
+            page_distance = r.window_fill  # the window holds this step's token too
+            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance))
         self.load()
         t0 = time.perf_counter()
-        k, v, valid = self.resident.tensors()
+        k, v, valid = r.tensors()
         if self.remap is None:
             out = paged_decode_sdpa(q, k, v, valid, scale)
         else:
-            out = remap_decode(qs, k, v, valid, self.resident.pool_at, self.resident.window_at, scale)
+            pool_k, block = None, 1  # block: positions the pages take
+            if self.remap.pages == "ordered":  # the loaded rows in token order beyond the window
+                pool = slice(r.pool_at, r.window_at)
+                offset, block = ordered_offsets(r.pool_row, r.valid[:, pool])
+                H, n = offset.shape
+                pool_k = self.remap.frame.rotate(k[:, pool].reshape(H * n, d), 0, -offset.reshape(-1))
+                pool_k = pool_k.reshape(H, n, d)
+            # the sink just before the pages: its last token one position before their first
+            qs = self.remap.query_regions(q, self.length - 1, page_distance + block + r.sink_fill - 1,
+                                          page_distance)
+            out = remap_decode(qs, k, v, valid, r.pool_at, r.window_at, scale, pool_k)
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
 
@@ -271,20 +283,35 @@ class IceLayer(CacheLayerMixin):
         at = chunk_positions(C, self.spec.prefill_queries)
         sel = query[:, torch.from_numpy(at).to(query.device)]  # (Hq, n, d)
         if self.remap is not None:
-            pages_at = self.length - r.window_fill - self.spec.page_size  # where the pages sit
+            pages_at = self.length - r.window_fill - 1  # the pages end just before the window
             true = torch.from_numpy(at) + (self.length - C)
             sel = self.remap.frame.rotate(sel, true, true - pages_at)
         self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages)
         self.load()
         k, v, valid = r.tensors()
         if self.remap is not None:
-            frame, s = self.remap.frame, r.sink_fill
-            k = k.clone()
-            k[:, :s] = frame.rotate(k[:, :s], torch.arange(s), torch.arange(s) + pages_at - s)
-            k[:, r.pool_at : r.window_at] = frame.rotate(k[:, r.pool_at : r.window_at], 0, pages_at)
+            k = self._place_for_chunk(k, pages_at)
         out = paged_chunk_sdpa(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
         self.after_chunk()
         return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
+
+    def _place_for_chunk(self, k: torch.Tensor, pages_at: int) -> torch.Tensor:
+        """A copy of the resident keys with the pool rows (un-rotated) placed to end at
+        ``pages_at`` (in token order, or all there) and the sink just before them."""
+        frame, r = self.remap.frame, self.resident
+        H, s, d = self.heads, r.sink_fill, self.head_dim
+        pool = slice(r.pool_at, r.window_at)
+        k = k.clone()
+        if self.remap.pages == "ordered":
+            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool])
+            n = offset.shape[1]
+            k[:, pool] = frame.rotate(k[:, pool].reshape(H * n, d), 0, (pages_at - offset).reshape(-1)).reshape(H, n, d)
+        else:
+            k[:, pool] = frame.rotate(k[:, pool], 0, pages_at)
+            count = torch.ones(H, dtype=torch.int64)  # one position for all the pages
+        sink_to = (pages_at - count - s + 1)[:, None] + torch.arange(s)[None, :]  # (H, s): just before
+        k[:, :s] = frame.rotate(k[:, :s].reshape(H * s, d), torch.arange(s).repeat(H), sink_to.reshape(-1)).reshape(H, s, d)
+        return k
 
     def select(self, q: torch.Tensor, pages: int | None = None) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *

@@ -119,25 +119,46 @@ class Remap:
 
     frame: RopeFrame
     page_distance: int  # where pages from the host store sit: just beyond the window
+    # "ordered": the loaded rows of a head in token order from page_distance on (one position
+    # each, the nearest first); "one": all at page_distance (InfLLM's single distance)
+    pages: str = "ordered"
 
-    def query_regions(self, q: torch.Tensor, pos: int, sink: int, distance: int | None = None) -> torch.Tensor:
-        """A decode step's query heads ``q`` (..., d) at true position ``pos`` -> (3, ..., d): the
-        query for the sink rows, for the pool rows (un-rotated keys, at ``distance``, default
-        ``page_distance``), for the window rows."""
-        D = self.page_distance if distance is None else distance
+    def query_regions(self, q: torch.Tensor, pos: int, sink_distance, distance: int) -> torch.Tensor:
+        """A decode step's query heads ``q`` (heads, G, d) at true position ``pos`` -> (3, heads,
+        G, d): the query for the sink rows (sink token ``j`` at distance ``sink_distance - j``;
+        an int or one per head), for the pool rows (un-rotated keys, at ``distance``), for the
+        window rows (true distances)."""
         flat = q.reshape(-1, q.shape[-1])
-        sink_q = self.frame.rotate(flat, pos, D + sink)
-        pool_q = self.frame.rotate(flat, pos, D)
+        group = q.shape[-2]
+        sink_at = torch.as_tensor(sink_distance, dtype=torch.int64).reshape(-1, 1)
+        sink_q = self.frame.rotate(flat, pos, sink_at.expand(q.shape[0], group).reshape(-1))
+        pool_q = self.frame.rotate(flat, pos, distance)
         return torch.stack([sink_q.reshape(q.shape), pool_q.reshape(q.shape), q])
 
 
+def ordered_offsets(rows, valid) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots, ``valid``
+    (H, n) bool (NumPy). Returns (offset (H, n): how many valid rows of the head come after the
+    row in token order, so the latest is 0; valid rows per head (H,))."""
+    import numpy as np
+
+    key = np.where(valid, rows, -1)
+    order = np.argsort(key, axis=1, kind="stable")
+    rank = np.empty_like(order)
+    np.put_along_axis(rank, order, np.arange(key.shape[1])[None, :].repeat(key.shape[0], 0), axis=1)
+    offset = key.shape[1] - 1 - rank
+    return torch.from_numpy(offset), torch.from_numpy(valid.sum(1))
+
+
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                 pool_at: int, window_at: int, scaling: float) -> torch.Tensor:
+                 pool_at: int, window_at: int, scaling: float, pool_keys: torch.Tensor | None = None
+                 ) -> torch.Tensor:
     """One decode step with a query per region: qs (3, H, G, d) for rows [0, pool_at) (sink),
-    [pool_at, window_at) (pool) and [window_at, L) (window); k, v (H, L, d); valid (H, L)
-    -> (H, G, d). Softmax over all regions at once, in float32."""
-    parts = [torch.einsum("hgd,hld->hgl", qs[i].float(), k[:, lo:hi].float())
-             for i, (lo, hi) in enumerate(((0, pool_at), (pool_at, window_at), (window_at, k.shape[1])))]
+    [pool_at, window_at) (pool; ``pool_keys`` instead of those rows of ``k`` if given) and
+    [window_at, L) (window); k, v (H, L, d); valid (H, L) -> (H, G, d). Softmax over all regions
+    at once, in float32."""
+    regions = [k[:, :pool_at], k[:, pool_at:window_at] if pool_keys is None else pool_keys, k[:, window_at:]]
+    parts = [torch.einsum("hgd,hld->hgl", qs[i].float(), keys.float()) for i, keys in enumerate(regions)]
     scores = torch.cat(parts, dim=-1) * scaling
     scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -145,9 +166,9 @@ def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 
 class RemapDenseLayer(GrowingLayer):
-    """A dense layer of the ice cache with remapped positions: the sink at its own positions, the
-    last ``window`` tokens at their true distance, every older token at one distance just beyond
-    the window. Rows older than the window are un-rotated in place as they age (``flat_upto``:
+    """A dense layer of the ice cache with remapped positions: the last ``window`` tokens at their
+    true distance, every older token at one distance just beyond the window, and the sink tokens
+    just before that (at their true distance while nothing is older than the window). Rows older than the window are un-rotated in place as they age (``flat_upto``:
     rows ``sink .. flat_upto`` are position-free), so a step costs three small query rotations,
     not a rotation of the cache."""
 
@@ -156,10 +177,6 @@ class RemapDenseLayer(GrowingLayer):
         # the window at true distances stays well inside the trained context
         self.remap, self.sink, self.window = remap, sink, min(window, remap.frame.trained // 2)
         self.flat_upto = sink
-
-    @property
-    def distance(self) -> int:
-        return self.window + self.remap.page_distance
 
     def _flatten(self) -> int:
         """Un-rotate the rows that left the window since the last step; return where the window
@@ -178,7 +195,9 @@ class RemapDenseLayer(GrowingLayer):
         H, d = self._k.shape[1], query.shape[-1]
         q = query[0, :, 0].reshape(H, -1, d)
         sink = min(self.sink, self._n)
-        qs = self.remap.query_regions(q, self._n - 1, sink, self.distance)
+        window = self._n - far_end  # rows at their true distance, this step's token included
+        block = 1 if far_end > sink else 0  # the older rows all take one position just beyond
+        qs = self.remap.query_regions(q, self._n - 1, window + block + sink - 1, window)
         valid = torch.ones((H, self._n), dtype=torch.bool, device=query.device)
         out = remap_decode(qs, self.keys[0], self.values[0], valid, sink, far_end, scale)
         return out.reshape(1, 1, -1, d)

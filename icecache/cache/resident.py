@@ -40,6 +40,9 @@ class ResidentKV:
         self.slot_page = np.full((heads, pool_pages), -1, np.int64)
         self.slot_version = np.zeros((heads, pool_pages), np.int64)
         self.slot_fill = np.zeros((heads, pool_pages), np.int64)
+        # host-store row of each pool row (-1: none): kept only when ``track_rows`` is set
+        self.track_rows = False
+        self.pool_row = np.full((heads, pool_pages * page_size), -1, np.int64)
 
     # -- sink and window -------------------------------------------------------------------------
     def set_sink(self, keys: torch.Tensor, values: torch.Tensor) -> None:
@@ -86,6 +89,7 @@ class ResidentKV:
         (the pool starts empty)."""
         out = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype, self.pool_at,
                          self.page_size, pool_pages, window_cap)
+        out.track_rows = self.track_rows
         out.set_sink(self.keys[:, : self.sink_fill], self.values[:, : self.sink_fill])
         w = slice(self.window_at, self.window_at + self.window_fill)
         out.append(self.keys[:, w], self.values[:, w])
@@ -113,6 +117,9 @@ class ResidentKV:
                                h * self.rows + self.pool_at, S, self.valid[h, pool], src, dst, m)
             loaded += got
         moved = 0
+        if m and self.track_rows:
+            at = dst[:m] - self.pool_at
+            self.pool_row[at // self.rows, at % self.rows] = src[:m] % store.capacity
         if m:
             host_k, host_v = store.flat()
             moved = self.backend.load_rows(host_k, host_v, torch.from_numpy(src[:m]),
