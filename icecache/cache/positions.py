@@ -166,49 +166,35 @@ def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
 
 
 class RemapDenseLayer(GrowingLayer):
-    """A dense layer of the ice cache with remapped positions: the last ``window`` tokens at their
-    true distance, every older token at one distance just beyond the window, and the sink tokens
-    just before that (at their true distance while nothing is older than the window). Rows older than the window are un-rotated in place as they age (``flat_upto``:
-    rows ``sink .. flat_upto`` are position-free), so a step costs three small query rotations,
-    not a rotation of the cache."""
+    """A dense layer of the ice cache with remapped positions: a decode step attends to the last
+    ``window`` tokens at their true distance and to the sink tokens just before them, as the
+    sparse prefill's dense layers do (:func:`~.dense.windowed_dense`). Older tokens stay in the
+    layer (``dense_kv`` gives them back) but are not attended: put all at one distance, thousands
+    of them drowned the window's attention (a 16k passkey failed that way)."""
 
     def __init__(self, remap: Remap, sink: int, window: int):
         super().__init__()
         # the window at true distances stays well inside the trained context
         self.remap, self.sink, self.window = remap, sink, min(window, remap.frame.trained // 2)
-        self.flat_upto = sink
-
-    def _flatten(self) -> int:
-        """Un-rotate the rows that left the window since the last step; return where the window
-        starts."""
-        far_end = max(self.sink, self._n - self.window)
-        if far_end > self.flat_upto:
-            rows = self._k[:, :, self.flat_upto : far_end]
-            self._k[:, :, self.flat_upto : far_end] = self.remap.frame.rotate(
-                rows, torch.arange(self.flat_upto, far_end), 0)
-            self.flat_upto = far_end
-        return far_end
 
     def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
         """A decode step: query (1, Hq, 1, d) at position ``length - 1`` -> (1, 1, Hq, d)."""
-        far_end = self._flatten()
+        n = self._n
+        sink = min(self.sink, n)
+        start = max(sink, n - self.window)  # the window's first row
         H, d = self._k.shape[1], query.shape[-1]
         q = query[0, :, 0].reshape(H, -1, d)
-        sink = min(self.sink, self._n)
-        window = self._n - far_end  # rows at their true distance, this step's token included
-        block = 1 if far_end > sink else 0  # the older rows all take one position just beyond
-        qs = self.remap.query_regions(q, self._n - 1, window + block + sink - 1, window)
-        valid = torch.ones((H, self._n), dtype=torch.bool, device=query.device)
-        out = remap_decode(qs, self.keys[0], self.values[0], valid, sink, far_end, scale)
+        keys = torch.cat([self.keys[0, :, :sink], self.keys[0, :, start:]], dim=1)
+        values = torch.cat([self.values[0, :, :sink], self.values[0, :, start:]], dim=1)
+        window = n - start  # this step's token included
+        qs = self.remap.query_regions(q, n - 1, window + sink - 1, window)
+        valid = torch.ones((H, keys.shape[1]), dtype=torch.bool, device=query.device)
+        out = remap_decode(qs, keys, values, valid, sink, sink, scale)
         return out.reshape(1, 1, -1, d)
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys (true positions) and values (1, H, n, d), a copy."""
-        k = self.keys.clone()
-        if self.flat_upto > self.sink:
-            k[:, :, self.sink : self.flat_upto] = self.remap.frame.rotate(
-                k[:, :, self.sink : self.flat_upto], 0, torch.arange(self.sink, self.flat_upto))
-        return k, self.values.clone()
+        """Keys and values (1, H, n, d) at their true positions (a copy)."""
+        return self.keys.clone(), self.values.clone()
 
     def crop(self, tokens_to_remove: int) -> None:
         raise NotImplementedError("a remapped dense layer cannot be cut back")
