@@ -6,18 +6,20 @@ remap`` every attended token gets a distance inside the trained range (InfLLM's 
 StreamingLLM's idea, on IceCache's pages):
 
 - the recent window (and a prefill chunk) at its true distance;
-- pages brought back from the host store all at one distance ``D`` just beyond the window
-  (``window_tokens + page_size``);
-- the sink tokens at their own positions, just before those pages (distance ``D + s - j`` for
-  sink token ``j`` of ``s``).
+- the rows brought back from the host store just beyond the window, per KV head in token order,
+  one position each (``pages: ordered``; ``one``: all at one distance, as InfLLM does);
+- the sink tokens at their own positions, just before those rows.
+
+With every page loaded these are the true positions: remapped ice then equals full attention.
 
 RoPE rotates each pair of channels by ``position x inv_freq``, and rotations compose: a key
 rotated at position ``a`` becomes the key at ``b`` by one more rotation by ``b - a`` with the same
 inverse frequencies (Llama 3, YaRN and linear scaling only change the frequencies; YaRN's
 attention scaling multiplies cos and sin once and is not applied again). So offloaded keys are
-stored un-rotated (a position-free frame, which the index searches too) and a step rotates its
-*query* per region of the resident rows (:func:`remap_decode`); a sparse-prefill chunk, which has
-many queries, rotates the few resident sink and page rows instead.
+stored un-rotated (a position-free frame, which the index searches too); a decode step rotates
+its query for the sink and the loaded rows by their offsets (:func:`remap_decode`, the resident
+rows themselves never change), and a sparse-prefill chunk, which has many queries, rotates
+copies of the few resident sink and page rows instead.
 
 Angles are computed as transformers computes them (float32 ``position x inv_freq``), and a
 rotation from ``a`` to ``b`` uses the float64 difference of those angles, so un-rotating a key
