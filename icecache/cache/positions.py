@@ -17,9 +17,9 @@ rotated at position ``a`` becomes the key at ``b`` by one more rotation by ``b -
 inverse frequencies (Llama 3, YaRN and linear scaling only change the frequencies; YaRN's
 attention scaling multiplies cos and sin once and is not applied again). So offloaded keys are
 stored un-rotated (a position-free frame, which the index searches too); a decode step rotates
-its query for the sink and the loaded rows by their offsets (:func:`remap_decode`, the resident
-rows themselves never change), and a sparse-prefill chunk, which has many queries, rotates
-copies of the few resident sink and page rows instead.
+its query for the sink and the window and a copy of the loaded rows by their token-order offsets
+(:func:`remap_decode`; the resident rows themselves never change), and a sparse-prefill chunk
+rotates copies of the resident sink and page rows.
 
 Angles are computed as transformers computes them (float32 ``position x inv_freq``), and a
 rotation from ``a`` to ``b`` uses the float64 difference of those angles, so un-rotating a key
