@@ -63,6 +63,22 @@ def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) 
     return logits
 
 
+def chunk_bounds(lo: int, hi: int, chunk: int, tail: int = 0) -> list[tuple[int, int]]:
+    """Prefill chunks of tokens ``lo .. hi-1``: ``chunk`` tokens each, and with ``tail`` the last
+    ``tail`` tokens a chunk of their own.
+
+    In a sparse prefill a chunk's pages are chosen by a few of its positions; the prompt's end
+    (the question, the instruction) gives the first answer token's logits, so it chooses its
+    pages itself (a 16k passkey was found by the decode steps' selection but missed by the last
+    chunk's, which was chosen mostly by filler positions).
+    """
+    cut = hi - tail if 0 < tail < hi - lo else hi
+    out = [(a, min(a + chunk, cut)) for a in range(lo, cut, chunk)]
+    if cut < hi:
+        out.append((cut, hi))
+    return out
+
+
 @dataclass
 class Prefilled:
     """A prompt's dense prefill, to seed sessions of any method (:meth:`Session.adopt`)."""
@@ -208,13 +224,14 @@ class Session:
         start = self._start(ids)
         stats.tokens_prefilled = len(ids) - start
         t0 = time.perf_counter()
-        chunk = self.run_settings.chunk_size
+        run = self.run_settings
+        tail = 2 * run.prefill_queries if run.prefill == "sparse" else 0
         logits = None
         if hasattr(self.cache, "begin_prefill"):
             self.cache.begin_prefill(len(ids) - start)
-        for lo in range(start, len(ids), chunk):
-            logits = self.forward(ids[lo : lo + chunk])
-            report("prefill", min(lo + chunk, len(ids)) - start, len(ids) - start)
+        for lo, hi in chunk_bounds(start, len(ids), run.chunk_size, tail):
+            logits = self.forward(ids[lo:hi])
+            report("prefill", hi - start, len(ids) - start)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0

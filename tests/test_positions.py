@@ -223,3 +223,13 @@ def test_remap_with_room_for_every_page_equals_full(sparse):
             assert cache.remap is not None and cache.ice_layers()[0].store.rows > 200
     for a, b in zip(out["full"], out["ice"], strict=True):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
+
+
+def test_sparse_prefill_gives_the_prompt_end_a_chunk_of_its_own():
+    from icecache.generation import chunk_bounds
+
+    assert chunk_bounds(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
+    assert chunk_bounds(0, 10, 4, tail=3) == [(0, 4), (4, 7), (7, 10)]
+    assert chunk_bounds(0, 9, 4, tail=1) == [(0, 4), (4, 8), (8, 9)]
+    assert chunk_bounds(2, 5, 4, tail=8) == [(2, 5)]  # shorter than the tail: one chunk
+    assert chunk_bounds(0, 4100, 2048, tail=32) == [(0, 2048), (2048, 4068), (4068, 4100)]
