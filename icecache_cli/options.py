@@ -16,18 +16,20 @@ import typer
 
 from icecache.methods import METHODS
 
-FileArg = Annotated[
-    str | None,
-    typer.Argument(metavar="FILE", help="Document to read; '-' (or a pipe and no FILE) reads stdin.", show_default=False),
-]
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="HF model id (local cache), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
-]
-ProfileOpt = Annotated[
-    str | None,
-    typer.Option("--profile", "-p", help="Hardware profile name (see `icecache profiles`) or YAML path. Default: cpu without CUDA.", show_default=False),
-]
+
+def _profile_setting(kind: Any, *names: str, about: str, **checks: Any) -> Any:
+    """An option that overrides a profile setting: no default of its own (None: the profile's)."""
+    return Annotated[kind | None, typer.Option(*names, help=f"{about} Default: the profile's.", show_default=False, **checks)]
+
+
+FileArg = Annotated[str | None, typer.Argument(
+    metavar="FILE", help="Document to read; '-' (or a pipe and no FILE) reads stdin.", show_default=False)]
+ModelOpt = Annotated[str | None, typer.Option(
+    "--model", "-m", show_default=False,
+    help="HF model id (local cache), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.")]
+ProfileOpt = Annotated[str | None, typer.Option(
+    "--profile", "-p", show_default=False,
+    help="Hardware profile name (see `icecache profiles`) or YAML path. Default: cpu without CUDA.")]
 
 
 def method_lines() -> str:
@@ -38,26 +40,15 @@ def method_lines() -> str:
 
 
 MethodOpt = Annotated[str, typer.Option("--method", help=f"KV-cache method: {', '.join(METHODS)} (each described below).")]
-BudgetOpt = Annotated[
-    int | None,
-    typer.Option("--budget", help="Tokens of selected KV pages per head (a multiple of the page size). Default: the profile's.", show_default=False),
-]
-ReuseOpt = Annotated[
-    int | None,
-    typer.Option("--reuse-every", min=1, help="ice-reuse: one layer in N queries its index, the next N-1 reuse its pages. Default: the profile's (3).", show_default=False),
-]
-PrefillOpt = Annotated[
-    str | None,
-    typer.Option("--prefill", help="full: each chunk attends to everything before it; sparse: to the sink, the pages the index selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest). Default: the profile's (full).", show_default=False),
-]
-ChunkOpt = Annotated[
-    int | None,
-    typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk (a multiple of the page size). Default: the profile's.", show_default=False),
-]
-PipelineOpt = Annotated[
-    bool | None,
-    typer.Option("--pipeline/--no-pipeline", help="Offload and index each layer in the background while the next computes. Default: the profile's (on).", show_default=False),
-]
+BudgetOpt = _profile_setting(int, "--budget", about="Tokens of selected KV pages per head (a multiple of the page size).")
+ReuseOpt = _profile_setting(int, "--reuse-every", min=1, about=(
+    "ice-reuse: one layer in N queries its index, the next N-1 reuse its pages (the profile's: 3)."))
+PrefillOpt = _profile_setting(str, "--prefill", about=(
+    "full: each chunk attends to everything before it; sparse: to the sink, the pages the index "
+    "selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest)."))
+ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
+PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
+    "Offload and index each layer in the background while the next computes (the profile's: on)."))
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Print the final figures (prefill, per-token latency, memory, pages) as one line on stderr; JSON with --json.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
