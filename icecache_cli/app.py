@@ -50,15 +50,20 @@ def _root(
     """Long documents through local LLMs with the IceCache KV cache."""
 
 
-class Terminated(BaseException):
-    """SIGTERM arrived: unwind like Ctrl-C (files closed, partial lines never written)."""
+class Stopped(BaseException):
+    """SIGINT or SIGTERM arrived: unwind (files closed, no partial line written), then one line
+    and the signal's exit code. Not a KeyboardInterrupt, which typer would turn into a silent
+    exit code."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.word, self.code = ("interrupted", 130) if signum == signal.SIGINT else ("terminated", 143)
 
 
-def _on_sigterm(signum, frame):
-    raise Terminated()
+def _on_signal(signum, frame):
+    raise Stopped(signum)
 
 
-STOPPED = {KeyboardInterrupt: ("interrupted", 130), Terminated: ("terminated", 143)}
 _late_signal: list[int] = []  # a signal that came while the interpreter was shutting down
 
 
@@ -90,9 +95,12 @@ def _run(argv: list[str] | None) -> int:
         code = app(args=argv, standalone_mode=False)
     except typer.Exit as exc:
         code = exc.exit_code
-    except (KeyboardInterrupt, typer.Abort, Terminated) as exc:
-        what, code = STOPPED.get(type(exc), STOPPED[KeyboardInterrupt])
-        error(what)
+    except (KeyboardInterrupt, typer.Abort):
+        error("interrupted")
+        code = 130
+    except Stopped as exc:
+        error(exc.word)
+        code = exc.code
     except BrokenPipeError:
         silence_stdout()
         code = 0
@@ -111,12 +119,13 @@ def _run(argv: list[str] | None) -> int:
 
 
 def main(argv: list[str] | None = None) -> None:
-    signal.signal(signal.SIGTERM, _on_sigterm)
+    signal.signal(signal.SIGINT, _on_signal)
+    signal.signal(signal.SIGTERM, _on_signal)
     try:
         code = _run(argv)
-    except (KeyboardInterrupt, Terminated) as exc:  # after the command, before the exit
-        what, code = STOPPED[type(exc)]
-        error(what)
+    except Stopped as exc:  # after the command, before the exit
+        error(exc.word)
+        code = exc.code
     # From here on the interpreter shuts down (threads joined, atexit callbacks): a signal now
     # must not print a traceback from whatever callback it lands in.
     signal.signal(signal.SIGINT, _note_late_signal)
