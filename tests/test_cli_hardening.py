@@ -255,7 +255,11 @@ def test_text_streams_into_pipes_and_survives_ctrl_c():
     questions = [x for i in range(8) for x in ("-q", f"What happened in year {1900 + i}?")]
     proc = subprocess.Popen(CLI + ["qa", str(EXAMPLE), *questions, "--max-new-tokens", "24"],
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
-    first = proc.stdout.read(8)  # blocks until the first streamed text
+    first = b""
+    while not re.search(rb"\nA: \S", first):  # the first answer's first generated text
+        chunk = os.read(proc.stdout.fileno(), 4096)
+        assert chunk, first
+        first += chunk
     assert proc.poll() is None  # still generating: the text was not held until the end
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=120)
