@@ -3,7 +3,7 @@
 :func:`need_bytes` estimates what a method allocates for a sequence of ``tokens`` beyond what is
 already in use (the model's weights are): dense keys and values for ``full`` (plus one layer's
 copy while transformers concatenates a step onto it), ``dense`` and the oracles (their growing
-buffers keep up to 1/8 spare capacity, and one layer is copied when a buffer grows); for the
+buffers keep 256 tokens or 1/8 spare capacity, and one layer is copied when one grows); for the
 paged methods the dense layers, the resident pools, the host store and the index. ``extra``
 counts copies a caller makes on top (a shared prefill's keys and values).
 
@@ -58,11 +58,12 @@ def need_bytes(method: str, model_config, settings: Settings, tokens: int, extra
     layers, heads, head_dim = kv_shape(model_config)
     per_layer_token = 2 * heads * head_dim * DTYPE_BYTES[settings.dtype]  # keys and values
     layer = per_layer_token * tokens
+    grown = per_layer_token * max(tokens + 256, tokens * 9 // 8)  # a growing buffer's capacity
     on_device = settings.device != "cpu"
     if m.cache == "sdpa":  # torch.cat of each new step: the old and the new tensor of one layer
         dev = layers * layer + layer
     elif m.cache in ("dense", "oracle"):  # spare capacity, and one layer copied when it grows
-        dev = layers * layer * 9 // 8 + layer
+        dev = layers * grown + layer
         if m.cache == "oracle" and m.oracle_per == "query":
             dev += layer  # per query head scores of a layer
     else:
@@ -70,9 +71,9 @@ def need_bytes(method: str, model_config, settings: Settings, tokens: int, extra
         sparse = layers - dense
         page = settings.page_size
         resident = (settings.sink_pages + settings.window_pages + 1) * page + max(
-            settings.budget, settings.prefill_budget if settings.prefill == "sparse" else 0)
+            settings.budget if m.budgeted else 0, settings.prefill_budget if settings.prefill == "sparse" else 0)
         pools = sparse * per_layer_token * (resident + (settings.chunk_size if settings.prefill == "sparse" else 0))
-        dev = dense * layer * 9 // 8 + pools
+        dev = dense * grown + pools
         host_item = DTYPE_BYTES[_host_dtype(settings)]
         host = sparse * 2 * heads * head_dim * host_item * tokens
         per_key = {"dci": INDEX_BYTES_PER_KEY, "quest": QUEST_BYTES_PER_KEY}.get(m.selector or "", 0)
