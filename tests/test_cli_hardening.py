@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import pty
 import re
 import signal
 import subprocess
@@ -18,7 +17,7 @@ import pytest
 
 from icecache.methods import METHODS
 
-from .conftest import EXAMPLE, REPO, run_cli
+from .conftest import EXAMPLE, REPO, on_pty, run_cli
 
 CLI = [sys.executable, "-m", "icecache_cli"]
 
@@ -33,35 +32,6 @@ def one_error_line(r, code: int, *needles: str) -> str:
     for needle in needles:
         assert needle in err, err
     return err
-
-
-def on_pty(args, stdin=subprocess.DEVNULL, env=None, until=None, then=None, timeout=120):
-    """Run the CLI with stderr on a pseudo-terminal; ``until``: a text on the screen after
-    which ``then(proc)`` runs. Returns (exit code, screen, stdout)."""
-    master, slave = pty.openpty()
-    full_env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100", **(env or {})}
-    if env is None or "NO_COLOR" not in env:
-        full_env.pop("NO_COLOR", None)
-    proc = subprocess.Popen(CLI + args, stdin=stdin, stdout=subprocess.PIPE, stderr=slave,
-                            env=full_env, cwd=REPO)
-    os.close(slave)
-    screen, fired = b"", False
-    deadline = time.time() + timeout
-    while time.time() < deadline:
-        try:
-            chunk = os.read(master, 65536)
-        except OSError:
-            break
-        if not chunk:
-            break
-        screen += chunk
-        if until and not fired and until.encode() in screen:
-            fired = True
-            then(proc)
-    out = proc.stdout.read()
-    proc.wait(timeout=60)
-    os.close(master)
-    return proc.returncode, screen.decode("utf8", "replace"), out
 
 
 # -- stdin closed ---------------------------------------------------------------------------------
@@ -272,9 +242,11 @@ def test_text_streams_into_pipes_and_survives_ctrl_c():
 
 def test_no_color_means_no_styles_on_a_terminal():
     """Under NO_COLOR the panel and status lines carry no colour or style codes (the panel may
-    still move the cursor)."""
-    rc, screen, out = on_pty(["summarize", str(EXAMPLE), "--max-new-tokens", "2"], env={"NO_COLOR": "1"})
-    assert rc == 0 and out.strip()
+    still move the cursor). Also: --budget with full is warned about, and not reported."""
+    rc, screen, out = on_pty(["summarize", str(EXAMPLE), "--max-new-tokens", "2", "--method", "full",
+                              "--budget", "64", "--json"], env={"NO_COLOR": "1"})
+    assert rc == 0 and json.loads(out)["budget"] is None  # full ran without one: none reported
+    assert "icecache: warning: --budget 64 has no effect with --method full" in screen
     assert "phase" in screen and "model ready" in screen  # the panel and a status line were there
     assert not re.search(r"\x1b\[[0-9;]*m", screen), repr(screen[:500])
 
