@@ -81,8 +81,8 @@ def _set_threads(threads: int, reporter: Reporter) -> None:
 def check_budget_flag(budget: int | None, method: str, quiet: bool) -> None:
     """``--budget`` with a method that has none: said once on stderr (the run reports none)."""
     if budget is not None and not get(method).budgeted and not quiet:
-        warn(f"--budget {budget} has no effect with --method {method} (it keeps every token it "
-             "uses); the result reports no budget")
+        warn(f"--budget {budget} has no effect with --method {method} (it selects no pages); "
+             "the result reports no budget")
 
 
 def preflight(opts: RunOptions, max_new: int, log: Callable[[str], None]):
