@@ -34,8 +34,8 @@ def batch(
     from icecache import batch as b
     from icecache.documents import decode_text
     from icecache.methods import get
-    from icecache.models import load_model
-    from icecache.tasks import Runner, check_questions
+    from icecache.models import context_length_of, load_model, resolve_model_source
+    from icecache.tasks import Runner, check_generation_room, check_questions, context_limit
 
     from .tasks import _set_threads, check_budget_flag
 
@@ -58,8 +58,10 @@ def batch(
         inputs = [p for p in b.list_inputs(paths, glob, stdin_lines) if b.in_shard(p, which)]
         results = b.ResultsFile(out)
         questions = question if task == "qa" else [None]
+        resolved = resolve_model_source(model, rep.info)  # the generation room, before loading
+        check_generation_room(max_new_tokens, context_limit(settings, context_length_of(resolved[1])), resolved[0])
         _set_threads(settings.cpu_threads, rep)
-        loaded = load_model(model, settings, log=rep.info)
+        loaded = load_model(model, settings, log=rep.info, resolved=resolved)
         runner = Runner(loaded, settings, method)
         failed = failed_before = done = skipped = 0
         t0 = time.perf_counter()

@@ -112,6 +112,8 @@ def test_questions_and_generation_room_checked_before_loading():
     assert "document too long" not in err
     one_error_line(run_cli(["summarize", str(EXAMPLE), "--max-new-tokens", "300000"]), 2,
                    "--max-new-tokens 300000", "max_context")
+    one_error_line(run_cli(["batch", str(EXAMPLE), "--max-new-tokens", "100000"]), 2,
+                   "--max-new-tokens 100000", "8192 tokens")
 
 
 def test_huge_budget_names_the_budget_and_its_limit():
