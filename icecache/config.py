@@ -143,9 +143,12 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
-    resident = (s.sink_pages + s.window_pages) * s.page_size + s.budget
-    if s.max_context < resident:
-        raise bad("max_context", f"must hold at least sink + window + budget ({resident} tokens)")
+    edges = (s.sink_pages + s.window_pages) * s.page_size
+    if s.max_context < edges + s.budget:
+        if source != "--budget":
+            raise bad("max_context", f"must hold at least sink + window + budget ({edges + s.budget} tokens)")
+        raise bad("budget", f"must leave room for the sink and window pages ({edges} tokens) within "
+                            f"max_context ({s.max_context} tokens): at most {s.max_context - edges}")
     return s
 
 
@@ -203,8 +206,8 @@ def load_profile(name_or_path: str, base: Settings | None = None) -> Settings:
         mark = getattr(exc, "problem_mark", None)
         where = f" at line {mark.line + 1}" if mark else ""
         raise ProfileError(f"profile {path}: not valid YAML{where}") from None
-    if data is None:
-        data = {}
+    if data is None or data == {}:
+        raise ProfileError(f"profile {path}: is empty (a mapping of settings is expected; see `icecache profiles`)")
     if not isinstance(data, dict):
         raise ProfileError(f"profile {path}: must be a mapping of keys to values")
     data.setdefault("name", path.stem)

@@ -160,6 +160,32 @@ def _is_pathlike(spec: str) -> bool:
     return spec.startswith((".", "/", "~")) or os.sep in spec and Path(spec).exists()
 
 
+GGUF_MAGIC = b"GGUF"
+
+
+def check_gguf_magic(path: Path, spec: str) -> None:
+    """A file named ``.gguf`` that does not start with the GGUF magic is refused before any
+    conversion starts."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(len(GGUF_MAGIC))
+    except OSError as exc:
+        raise ModelError(f"model file {spec} cannot be read ({exc.strerror or exc})") from None
+    if head != GGUF_MAGIC:
+        raise ModelError(f"model file {spec} is not a GGUF file (it does not start with 'GGUF')")
+
+
+def context_length_of(source: str) -> int | None:
+    """The trained context (``max_position_embeddings``) from a model folder's config.json,
+    without loading the model; ``None`` when ``source`` is not a folder with one."""
+    try:
+        config = json.loads((Path(source) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    n = config.get("max_position_embeddings") if isinstance(config, dict) else None
+    return n if isinstance(n, int) and n > 0 else None
+
+
 def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str, dict, bool]:
     """Turn ``--model`` into ``(name, folder_or_id, from_pretrained kwargs, converted_now)``."""
     if spec in (None, "", "embedded"):
@@ -169,6 +195,7 @@ def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str,
     if spec.endswith(".gguf"):
         if not path.is_file():
             raise ModelError(f"model file {spec} does not exist")
+        check_gguf_magic(path, spec)
         folder, converted = cached_conversion(path.resolve(), convert_gguf, log)
         return path.name, str(folder), {}, converted
     if path.is_dir():
@@ -190,8 +217,11 @@ def check_device(settings: Settings) -> None:
         )
 
 
-def load_model(spec: str | None, settings: Settings, log: Log = _quiet) -> LoadedModel:
-    """Load a causal LM and its tokenizer, offline, in ``settings.dtype`` on ``settings.device``."""
+def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
+               resolved: tuple[str, str, dict, bool] | None = None) -> LoadedModel:
+    """Load a causal LM and its tokenizer, offline, in ``settings.dtype`` on ``settings.device``.
+
+    ``resolved``: what :func:`resolve_model_source` returned for ``spec`` already."""
     start = time.perf_counter()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -199,7 +229,7 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet) -> Loade
     check_device(settings)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _hush_transformers()
-    name, source, kwargs, converted = resolve_model_source(spec, log)
+    name, source, kwargs, converted = resolved or resolve_model_source(spec, log)
     log(f"loading {name}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)

@@ -14,7 +14,8 @@ from . import prompts
 from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
-from .methods import check_method
+from .memory import check_fits
+from .methods import check_method, get
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
@@ -28,7 +29,7 @@ class TaskResult:
     output: Any  # str, or list[str] for qa (one answer per question)
     model: str
     method: str
-    budget: int
+    budget: int | None  # None: the method has no budget (full, dense, streaming)
     tokens_in: int
     tokens_out: int
     seconds: float
@@ -57,6 +58,28 @@ class TaskResult:
         return d
 
 
+def context_limit(settings: Settings, trained: int | None) -> int:
+    """Prompt + generation tokens a run may hold: the model's trained context (when known), or
+    with a sparse prefill (whose cost does not grow with the prompt) the profile's
+    ``max_context``."""
+    if settings.prefill == "sparse" or not trained:
+        return settings.max_context
+    return min(trained, settings.max_context)
+
+
+def check_generation_room(max_new_tokens: int, limit: int, model_name: str) -> None:
+    """``--max-new-tokens`` alone must leave room for a prompt in ``limit`` tokens."""
+    if max_new_tokens >= limit:
+        raise InputError(
+            f"--max-new-tokens {max_new_tokens} leaves no room for the document: prompt and "
+            f"generation share {limit} tokens ({model_name}); lower --max-new-tokens")
+
+
+def check_questions(questions: list[str]) -> None:
+    if not questions or any(not q.strip() for q in questions):
+        raise InputError("qa needs at least one non-empty question (-q/--question)")
+
+
 class Runner:
     """Runs tasks on one loaded model with one method and settings."""
 
@@ -71,9 +94,7 @@ class Runner:
     def context_limit(self) -> int:
         """Prompt + generation tokens a run may hold: the model's trained context, or with a
         sparse prefill (whose cost does not grow with the prompt) the profile's ``max_context``."""
-        if self.settings.prefill == "sparse":
-            return self.settings.max_context
-        return min(self.loaded.context_length, self.settings.max_context)
+        return context_limit(self.settings, self.loaded.context_length)
 
     def beyond_trained(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
         """A warning when a (sparse-prefill) run goes past the positions the model was trained on."""
@@ -85,10 +106,12 @@ class Runner:
 
     def _check_fits(self, ids: list[int], document: str, max_new_tokens: int) -> None:
         limit = self.context_limit
+        check_generation_room(max_new_tokens, limit, self.loaded.name)
         if len(ids) + max_new_tokens <= limit:
             warning = self.beyond_trained(len(ids), max_new_tokens)
             if warning and self.warn:
                 self.warn(warning)
+            check_fits(self.method, self.loaded.model.config, self.settings, len(ids) + max_new_tokens)
             return
         doc_tokens = len(self.loaded.tokenizer(document)["input_ids"])
         raise InputError(
@@ -110,7 +133,7 @@ class Runner:
             output=output,
             model=self.loaded.name,
             method=self.method,
-            budget=self.settings.budget,
+            budget=self.settings.budget if get(self.method).budgeted else None,
             tokens_in=sum(s.tokens_in for s in stats),
             tokens_out=sum(s.tokens_out for s in stats),
             seconds=time.perf_counter() - t0,
@@ -127,8 +150,7 @@ class Runner:
 
     def qa(self, document: str, questions: list[str], max_new_tokens: int = 64, on_progress: Progress | None = None,
            repetition_penalty: float = 1.0) -> TaskResult:
-        if not questions or any(not q.strip() for q in questions):
-            raise InputError("qa needs at least one non-empty question (-q/--question)")
+        check_questions(questions)
         t0 = time.perf_counter()
         # Check every prompt before generating anything: no partial answers for a bad input.
         for q in questions:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import signal
 import sys
 import time
 from pathlib import Path
@@ -13,16 +12,8 @@ import typer
 from icecache.config import resolve_settings
 from icecache.errors import IceCacheError, UsageError
 
+from .options import BudgetOpt, MethodOpt, ModelOpt, ProfileOpt, QuietOpt, max_new_opt
 from .output import Reporter, silence_stdout, user_errors
-from .tasks import _set_threads
-
-
-class Terminated(Exception):
-    """SIGTERM arrived: stop after the current write, like Ctrl-C."""
-
-
-def _on_term(signum, frame):
-    raise Terminated()
 
 
 def batch(
@@ -32,39 +23,47 @@ def batch(
     glob: Annotated[str, typer.Option("--glob", help="Files to take from folders.")] = "*.txt",
     out: Annotated[Path | None, typer.Option("--out", "-o", help="JSONL results file (appended; a rerun skips what is done). Default: stdout.", show_default=False)] = None,
     shard: Annotated[str | None, typer.Option("--shard", help="I/N: process only this machine's share of the inputs.", show_default=False)] = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens per output.")] = 256,
-    model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: the embedded one).", show_default=False)] = None,
-    profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
-    method: Annotated[str, typer.Option("--method", help="KV-cache method.")] = "full",
-    budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens.", show_default=False)] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
+    max_new_tokens: max_new_opt("Most tokens per output.") = 256,
+    model: ModelOpt = None,
+    profile: ProfileOpt = None,
+    method: MethodOpt = "full",
+    budget: BudgetOpt = None,
+    quiet: QuietOpt = False,
 ) -> None:
     """Process many documents; exit 0 if all succeeded, 3 if some failed (see their records)."""
     from icecache import batch as b
     from icecache.documents import decode_text
-    from icecache.methods import check_method
-    from icecache.models import load_model
-    from icecache.tasks import Runner
+    from icecache.methods import get
+    from icecache.models import context_length_of, load_model, resolve_model_source
+    from icecache.tasks import Runner, check_generation_room, check_questions, context_limit
+
+    from .tasks import set_threads, check_budget_flag
 
     with user_errors(), Reporter(quiet) as rep:
         if task not in ("summarize", "qa", "cot"):
             raise UsageError(f"--task: '{task}' is not one of summarize, qa, cot")
-        if task == "qa" and not question:
-            raise UsageError("--task qa needs at least one -q QUESTION")
+        if task == "qa":
+            if not question:
+                raise UsageError("--task qa needs at least one -q QUESTION")
+            check_questions(question)
         if task != "qa" and question:
             raise UsageError("-q/--question only goes with --task qa")
         which = b.parse_shard(shard)
         settings = resolve_settings(profile, budget=budget)
-        check_method(method)
+        budgeted = get(method).budgeted
+        check_budget_flag(budget, method, quiet)
+        if "-" in paths and sys.stdin is None:
+            raise UsageError("'-' reads paths from stdin, but stdin is closed")
         stdin_lines = sys.stdin if "-" in paths else None
         inputs = [p for p in b.list_inputs(paths, glob, stdin_lines) if b.in_shard(p, which)]
         results = b.ResultsFile(out)
         questions = question if task == "qa" else [None]
-        _set_threads(settings.cpu_threads, rep)
-        loaded = load_model(model, settings, log=rep.info)
+        resolved = resolve_model_source(model, rep.info)  # the generation room, before loading
+        check_generation_room(max_new_tokens, context_limit(settings, context_length_of(resolved[1])), resolved[0])
+        set_threads(settings.cpu_threads, rep)
+        loaded = load_model(model, settings, log=rep.info, resolved=resolved)
         runner = Runner(loaded, settings, method)
-        previous = signal.signal(signal.SIGTERM, _on_term)
-        failed = done = skipped = 0
+        failed = failed_before = done = skipped = 0
         t0 = time.perf_counter()
         try:
             for n, path in enumerate(inputs, 1):
@@ -74,15 +73,16 @@ def batch(
                 except OSError as exc:
                     data, digest = None, None
                     read_error = f"{path}: cannot be read ({exc.strerror or exc})"
-                todo = [q for q in questions
-                        if (path, digest, task, q) not in results.done]
+                keys = {q: (b.resolved(path), digest, task, q) for q in questions}
+                todo = [q for q in questions if keys[q] not in results.done]
                 if not todo:
                     skipped += 1
+                    failed_before += any(k in results.failed for k in keys.values())
                     continue
                 for q in todo:
                     rec = {"path": path, "hash": digest, "task": task, "question": q, "output": None,
                            "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": method,
-                           "budget": settings.budget, "error": None}
+                           "budget": settings.budget if budgeted else None, "error": None}
                     t_doc = time.perf_counter()
                     try:
                         if data is None:
@@ -113,13 +113,10 @@ def batch(
                     left = (len(inputs) - n) / max(rate, 1e-9)
                     rep.info(f"[{n}/{len(inputs)}] {path}: {'failed' if rec['error'] else 'ok'}; "
                              f"{failed} failed, {rate:.1f} documents/min, ETA {left:.1f} min")
-        except Terminated:
-            rep.info("terminated: the results written so far are complete lines")
-            raise typer.Exit(143) from None
-        finally:
-            signal.signal(signal.SIGTERM, previous)
+        finally:  # Ctrl-C and SIGTERM (icecache_cli.app) leave complete lines behind
             results.close()
         if skipped:
-            rep.info(f"{skipped} documents already done in {out}, skipped")
-        if failed:
+            rep.info(f"{skipped} documents already done in {out}, skipped"
+                     + (f" ({failed_before} of them have only error records)" if failed_before else ""))
+        if failed or failed_before:
             raise typer.Exit(b.EXIT_SOME_FAILED)

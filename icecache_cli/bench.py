@@ -13,6 +13,8 @@ from rich.table import Table
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
 
+from .options import BenchOptions, QuietOpt, with_options
+from .options import ModelOpt as FullModelOpt
 from .output import Reporter, emit, stderr, user_errors
 
 bench_app = typer.Typer(
@@ -23,36 +25,38 @@ bench_app = typer.Typer(
 
 
 @bench_app.callback()
+@with_options("opts", BenchOptions)
 def bench_main(
     context: typer.Context,
     ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present).")] = "full,dense,ice,ice-reuse,quest",
-    budget: BudgetOpt = None,
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps).")] = 16,
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
-    out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl.", show_default=False)] = None,
-    profile: ProfileOpt = None,
-    model: ModelOpt = None,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl (each row appended as soon as it is measured).", show_default=False)] = None,
+    opts: BenchOptions = None,
 ) -> None:
-    """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method."""
+    """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method.
+
+    A method whose memory need (estimated) exceeds what is available gets a skipped row instead
+    of running. Each row is printed (stderr; with --json also as a JSON line on stdout) and
+    appended to --out as soon as it is measured; with --json the last line holds all rows.
+    """
     if context.invoked_subcommand is not None:
         return
-    if ctx is None:
-        typer.echo(context.get_help(), err=True)
-        raise typer.Exit(2)
     from icecache.bench import full_bench
     from icecache.methods import check_method
     from icecache.models import load_model
 
-    with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
+    quiet, as_json = opts.quiet, opts.as_json
+    with user_errors():
+        if ctx is None:
+            raise UsageError("--ctx: give the context lengths to measure, e.g. --ctx 8k,32k (or a subcommand, see --help)")
         sizes = [parse_size(x) for x in ctx.split(",") if x.strip()]
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         if not method_list:
             raise UsageError("--methods: give at least one method")
-        settings = resolve_settings(profile, budget=budget)
+        settings = resolve_settings(opts.profile, budget=opts.budget)
         limit = parse_size(full_prefill_max)
         if out is not None:
             if out.exists() and not out.is_dir():
@@ -60,8 +64,9 @@ def bench_main(
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps({
                 "ctx": sizes, "methods": method_list, "decode_steps": steps, "full_prefill_max": limit,
-                "max_seconds": max_seconds, "settings": settings.__dict__, "model": model or "embedded"}, indent=1))
-        loaded = load_model(model, settings, log=rep.info)
+                "max_seconds": max_seconds, "settings": settings.__dict__, "model": opts.model or "embedded"}, indent=1))
+    with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
+        loaded = load_model(opts.model, settings, log=rep.info)
         results = []
         from .live import memory_now
 
@@ -73,21 +78,37 @@ def bench_main(
             rep.memory_probe = lambda: memory_now(session.cache)
             rep.step(done, total, times, session.cache)
 
+        def on_row(row) -> None:
+            """A row is kept the moment it is measured: a later method cannot lose it."""
+            d = row.as_dict()
+            if out is not None:
+                with open(out / "results.jsonl", "a") as f:
+                    f.write(json.dumps(d) + "\n")
+            if as_json:
+                emit(json.dumps(d))
+            rep.info(row_line(row))
+
         for n in sizes:
             rows = full_bench.run_ctx(loaded, settings, method_list, n, steps=steps,
                                       full_prefill_max=limit, max_seconds=max_seconds, log=log,
                                       on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None,
-                                      on_step=on_step)
+                                      on_step=on_step, on_row=on_row)
             rep.close()
-            for r in rows:
-                results.append(r.as_dict())
-                if out is not None:
-                    with open(out / "results.jsonl", "a") as f:
-                        f.write(json.dumps(r.as_dict()) + "\n")
+            results.extend(r.as_dict() for r in rows)
             if not quiet:
                 print_bench_table(rows, n)
         if as_json:
             emit(json.dumps({"results": results}))
+
+
+def row_line(r) -> str:
+    """One row as one status line."""
+    head = f"{r.method} at {r.ctx} tokens: "
+    if r.status != "ok":
+        return head + r.status + (f" ({r.reason})" if r.reason else "")
+    return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}), TT2T {r.tt2t_s:.1f} s, "
+            f"resident KV {(r.device_kv_bytes or 0) / 2**20:.0f} MiB, host {(r.host_kv_bytes or 0) / 2**20:.0f} MiB, "
+            f"peak RSS {(r.peak_rss_bytes or 0) / 2**30:.2f} GiB")
 
 
 def print_bench_table(rows, n: int) -> None:
@@ -129,13 +150,6 @@ def print_bench_table(rows, n: int) -> None:
         stderr.print(line, markup=False)
 
 
-BudgetOpt = Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)]
-ProfileOpt = Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)]
-ModelOpt = Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)]
-JsonOpt = Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
-
-
 def parse_size(text: str) -> int:
     t = text.strip().lower()
     try:
@@ -153,7 +167,7 @@ def index(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
     beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
-    model: ModelOpt = None,
+    model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
 ) -> None:
@@ -210,21 +224,19 @@ def print_table(s: dict) -> None:
 
 
 @bench_app.command("decode")
+@with_options("opts", BenchOptions)
 def decode(
     ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline.")] = "full,ice",
-    budget: BudgetOpt = None,
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
-    profile: ProfileOpt = None,
-    model: ModelOpt = None,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    opts: BenchOptions = None,
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
     from icecache.bench import decode_bench
     from icecache.methods import check_method
     from icecache.models import load_model
 
+    budget, profile, model, as_json, quiet = opts.budget, opts.profile, opts.model, opts.as_json, opts.quiet
     with user_errors(), Reporter(quiet) as rep:
         sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
@@ -263,21 +275,19 @@ def decode(
 
 
 @bench_app.command("prefill")
+@with_options("opts", BenchOptions)
 def prefill(
     ctx: Annotated[str, typer.Option("--ctx", help="Prompt lengths, comma-separated (16k = 16384).")] = "8k,16k",
     modes: Annotated[str, typer.Option("--modes", help="Prefill modes: full, dense, ice, ice-serial, sparse, sparse-serial; the first is the baseline.")] = "full,ice,ice-serial",
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per chunk (default: the profile's).", show_default=False)] = None,
-    budget: BudgetOpt = None,
-    profile: ProfileOpt = None,
-    model: ModelOpt = None,
-    as_json: JsonOpt = False,
-    quiet: QuietOpt = False,
+    opts: BenchOptions = None,
 ) -> None:
     """Prefill wall time (index included), tokens/s and peak RSS per prefill mode."""
     from icecache.bench import prefill_bench
     from icecache.bench.decode_bench import context_ids
     from icecache.models import load_model
 
+    budget, profile, model, as_json, quiet = opts.budget, opts.profile, opts.model, opts.as_json, opts.quiet
     with user_errors(), Reporter(quiet) as rep:
         sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
         mode_list = [m.strip() for m in modes.split(",") if m.strip()]

@@ -24,6 +24,8 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
+from icecache.measure import kv_bytes, rss_bytes
+
 
 def same_terminal(fd_a: int, fd_b: int) -> bool:
     """Whether two file descriptors are the same terminal device."""
@@ -36,30 +38,9 @@ def same_terminal(fd_a: int, fd_b: int) -> bool:
         return False
 
 
-def rss_bytes() -> int:
-    """The process's resident set size now (Linux /proc; 0 elsewhere)."""
-    try:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError, IndexError):
-        return 0
-
-
-def cache_kv_bytes(cache) -> tuple[int, int]:
-    """(resident KV bytes: device pool + dense layers, host-store bytes) of any cache."""
-    if cache is None:
-        return 0, 0
-    if hasattr(cache, "device_kv_bytes"):
-        host = cache.host_kv_bytes() if hasattr(cache, "host_kv_bytes") else 0
-        return int(cache.device_kv_bytes()), int(host)
-    return int(sum(2 * layer.keys.numel() * layer.keys.element_size()
-                   for layer in getattr(cache, "layers", [])
-                   if getattr(layer, "keys", None) is not None)), 0
-
-
 def memory_now(cache) -> dict:
     """Resident KV (device pool + dense layers), pool occupancy, host store, RSS, GPU allocation."""
-    dev, host = cache_kv_bytes(cache)
+    dev, host, _ = kv_bytes(cache)
     out = {"rss_bytes": rss_bytes(), "device_kv_bytes": dev, "host_kv_bytes": host}
     occ = getattr(cache, "pool_occupancy", None)
     if occ is not None:
@@ -104,6 +85,12 @@ class LivePanel:
             self._live = Live(self, console=self.console, refresh_per_second=4, transient=False,
                               redirect_stdout=False, redirect_stderr=False)
             self._live.start()
+
+    def discard(self) -> None:
+        """Stop and erase the panel from the terminal."""
+        if self._live is not None:
+            self._live.transient = True
+        self.stop()
 
     def stop(self) -> None:
         if self._live is not None:

@@ -27,7 +27,19 @@ from rich.text import Text
 
 from icecache.errors import IceCacheError
 
-stderr = Console(stderr=True, highlight=False)
+
+def no_color() -> bool:
+    """``NO_COLOR`` set (to anything but empty): no colours and no styles (https://no-color.org);
+    the live panel may still move the cursor."""
+    return bool(os.environ.get("NO_COLOR"))
+
+
+def stderr_console(**kwargs) -> Console:
+    """The console for stderr; without styles under ``NO_COLOR``."""
+    return Console(stderr=True, highlight=False, **({"color_system": None} if no_color() else {}), **kwargs)
+
+
+stderr = stderr_console()
 
 
 def write_out(text: str) -> None:
@@ -53,6 +65,10 @@ def silence_stdout() -> None:
 
 def error(message: str) -> None:
     stderr.print(f"icecache: error: {message}", markup=False, soft_wrap=True)
+
+
+def warn(message: str) -> None:
+    stderr.print(f"icecache: warning: {message}", markup=False, soft_wrap=True)
 
 
 @contextlib.contextmanager
@@ -153,7 +169,7 @@ class Reporter:
 
     def warn(self, message: str) -> None:
         if not self.quiet:
-            stderr.print(f"icecache: warning: {message}", markup=False, soft_wrap=True)
+            warn(message)
 
     def progress(self, phase: str, done: int, total: int) -> None:
         if self.quiet:
@@ -219,5 +235,7 @@ class Reporter:
     def __enter__(self) -> Reporter:
         return self
 
-    def __exit__(self, *exc) -> None:
+    def __exit__(self, exc_type, *exc) -> None:
+        if exc_type is not None and self.panel is not None:
+            self.panel.discard()  # a failed run leaves its error line alone, not a last frame
         self.finish()

@@ -1,71 +1,49 @@
-"""``icecache summarize``, ``icecache qa`` and ``icecache cot``: one document in, text out."""
+"""``icecache summarize``, ``icecache qa`` and ``icecache cot``: one document in, text out.
+
+Every check that needs no model (flags, profile, method, the document itself, the generation
+room) runs before anything else is printed or loaded; then the model loads, and a document's
+own length and memory need are checked before its prefill.
+"""
 
 from __future__ import annotations
 
 import json
 import os
 import sys
+import threading
 from collections.abc import Callable
 from typing import Annotated
 
 import typer
 
-from icecache.config import resolve_settings
+from icecache.config import Settings, resolve_settings
 from icecache.documents import read_document
-from icecache.methods import check_method, check_prefill
-from icecache.models import check_device, load_model
-from icecache.tasks import SUMMARY_REPETITION_PENALTY, Runner, TaskResult
+from icecache.errors import InputError
+from icecache.measure import kv_bytes
+from icecache.methods import check_prefill, get
+from icecache.models import check_device, context_length_of, load_model, resolve_model_source
+from icecache.tasks import (
+    SUMMARY_REPETITION_PENALTY,
+    Runner,
+    TaskResult,
+    check_generation_room,
+    check_questions,
+    context_limit,
+)
 
-from .live import TextStream, cache_kv_bytes, memory_now, same_terminal
-from .output import Reporter, emit, panel_capable, user_errors, write_out
+from .live import TextStream, memory_now, same_terminal
+from .options import FileArg, RunOptions, max_new_opt, penalty_opt, with_options
+from .output import Reporter, emit, panel_capable, stderr, user_errors, warn, write_out
 
-FileArg = Annotated[
-    str | None,
-    typer.Argument(metavar="FILE", help="Document to read; '-' (or a pipe and no FILE) reads stdin.", show_default=False),
-]
-ModelOpt = Annotated[
-    str | None,
-    typer.Option("--model", "-m", help="HF model id (local cache), model folder or .gguf file. Default: the embedded SmolLM2-135M-Instruct.", show_default=False),
-]
-ProfileOpt = Annotated[
-    str | None,
-    typer.Option("--profile", "-p", help="Hardware profile name (see `icecache profiles`) or YAML path. Default: cpu without CUDA.", show_default=False),
-]
-MethodOpt = Annotated[str, typer.Option("--method", help="KV-cache method: full, ice, ice-reuse, streaming, oracle.")]
-BudgetOpt = Annotated[
-    int | None,
-    typer.Option("--budget", help="Tokens of selected KV pages per head (a multiple of the page size). Default: the profile's.", show_default=False),
-]
-ReuseOpt = Annotated[
-    int | None,
-    typer.Option("--reuse-every", min=1, help="ice-reuse: one layer in N queries its index, the next N-1 reuse its pages. Default: the profile's (3).", show_default=False),
-]
-PrefillOpt = Annotated[
-    str | None,
-    typer.Option("--prefill", help="full: each chunk attends to everything before it; sparse: to the sink, the pages the index selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest). Default: the profile's (full).", show_default=False),
-]
-ChunkOpt = Annotated[
-    int | None,
-    typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk (a multiple of the page size). Default: the profile's.", show_default=False),
-]
-PipelineOpt = Annotated[
-    bool | None,
-    typer.Option("--pipeline/--no-pipeline", help="Offload and index each layer in the background while the next computes. Default: the profile's (on).", show_default=False),
-]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
-StatsOpt = Annotated[bool, typer.Option("--stats", help="Print the final figures (prefill, per-token latency, memory, pages) as one line on stderr; JSON with --json.")]
-QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
-
-
-def _penalty_opt(default: float):
-    return Annotated[float, typer.Option("--repetition-penalty", min=1.0, max=2.0,
-                                         help="Penalty on repeating tokens already generated (1 = none).")]
+WAIT_NOTICE_S = 1.0  # an input that has given nothing for this long gets a line on a terminal
 
 
 def _input_source(file: str | None) -> str:
     """FILE, or stdin when piped; a terminal with no FILE prints help."""
     if file is not None:
         return file
+    if sys.stdin is None:  # started with stdin closed (`<&-`)
+        raise InputError("stdin is closed: give FILE, or pipe the document in")
     if not sys.stdin.isatty():
         return "-"
     ctx = typer.get_current_context()
@@ -73,7 +51,25 @@ def _input_source(file: str | None) -> str:
     raise typer.Exit(2)
 
 
-def _set_threads(threads: int, reporter: Reporter) -> None:
+def read_input(source: str, quiet: bool = False) -> str:
+    """The document; on a terminal's stderr, a line when the input keeps us waiting (a FIFO
+    nobody writes to, stdin from the keyboard)."""
+    timer = None
+    if not quiet and stderr.is_terminal:
+        label = "stdin" if source == "-" else source
+        timer = threading.Timer(WAIT_NOTICE_S, lambda: stderr.print(
+            f"icecache: waiting for input on {label} (nothing written to it yet) ...",
+            markup=False, soft_wrap=True))
+        timer.daemon = True
+        timer.start()
+    try:
+        return read_document(source)
+    finally:
+        if timer is not None:
+            timer.cancel()
+
+
+def set_threads(threads: int, reporter: Reporter) -> None:
     import torch
 
     cores = os.cpu_count() or 1
@@ -82,99 +78,127 @@ def _set_threads(threads: int, reporter: Reporter) -> None:
     torch.set_num_threads(min(threads, cores) if threads else cores)
 
 
-def run_task(
-    file: str | None,
-    model: str | None,
-    profile: str | None,
-    method: str,
-    budget: int | None,
-    as_json: bool,
-    quiet: bool,
-    job: Callable[[Runner, str, Reporter], TaskResult],
-    flags: dict | None = None,
-    max_new: int = 0,
-    stats_line: bool = False,
-    task: str = "run",
-    segments: list[str] | None = None,
-) -> None:
-    """Shared flow: validate settings, read the input, load the model, run, print.
+def check_budget_flag(budget: int | None, method: str, quiet: bool) -> None:
+    """``--budget`` with a method that has none: said once on stderr (the run reports none)."""
+    if budget is not None and not get(method).budgeted and not quiet:
+        warn(f"--budget {budget} has no effect with --method {method} (it selects no pages); "
+             "the result reports no budget")
 
-    On a terminal, a live panel on stderr. The text then streams to stdout as it is generated
-    when stdout is not that terminal (a pipe, a file, another terminal); on the same terminal it
-    shows inside the panel and is printed whole at the end.
+
+def preflight(opts: RunOptions, max_new: int, log: Callable[[str], None]):
+    """The checks that need no model loaded: ``(settings, resolved model source)``."""
+    settings = resolve_settings(opts.profile, **opts.flags())
+    check_device(settings)
+    get(opts.method)
+    check_prefill(opts.method, settings)
+    check_generation_room(max_new, settings.max_context, f"max_context of the {settings.name} profile")
+    resolved = resolve_model_source(opts.model, log)  # a .gguf that is not one fails here
+    trained = context_length_of(resolved[1])
+    check_generation_room(max_new, context_limit(settings, trained), resolved[0])
+    return settings, resolved
+
+
+def run_task(
+    task: str,
+    file: str | None,
+    opts: RunOptions,
+    max_new: int,
+    job: Callable[[Runner, str, Reporter], TaskResult],
+    segments: list[str] | None = None,
+    questions: list[str] | None = None,
+) -> None:
+    """Shared flow: check everything that needs no model, load it, run, print.
+
+    On a terminal, a live panel on stderr. The text streams to stdout as it is generated unless
+    stdout is the panel's own terminal: there it shows inside the panel and is printed whole at
+    the end. ``--json`` prints one object at the end.
     """
+    quiet, as_json, method = opts.quiet, opts.as_json, opts.method
+    with user_errors():
+        source = _input_source(file)
+        if questions is not None:
+            check_questions(questions)
+        settings, resolved = preflight(opts, max_new, log=lambda m: None if quiet else stderr.print(
+            m, style="dim", markup=False, soft_wrap=True))
+        check_budget_flag(opts.budget, method, quiet)
+        text = read_input(source, quiet)
     panel = not quiet and panel_capable()
     inside = panel and same_terminal(1, 2)
-    stream_out = panel and not inside and not as_json
-    streamed = False
+    stream_out = not as_json and not inside
     title = f"icecache {task} ({method})"
     with user_errors(), Reporter(quiet, panel=title if panel else None,
                                  show_text=inside and not as_json) as reporter:
-        source = _input_source(file)
-        settings = resolve_settings(profile, budget=budget, **(flags or {}))
-        check_device(settings)
-        check_method(method)
-        check_prefill(method, settings)
-        text = read_document(source)
-        _set_threads(settings.cpu_threads, reporter)
-        loaded = load_model(model, settings, log=reporter.info)
+        set_threads(settings.cpu_threads, reporter)
+        loaded = load_model(opts.model, settings, log=reporter.info, resolved=resolved)
         reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
         runner = Runner(loaded, settings, method)
         runner.warn = reporter.warn
-        stream = None
-        if panel:
-            tok = loaded.tokenizer
-
-            def decode(ids: list[int]) -> str:
-                return tok.decode(ids, skip_special_tokens=True)
-
-            if stream_out:
-                stream = TextStream(decode, write_out, segments)
-            elif inside and not as_json:
-                def into_panel(part: str) -> None:
-                    reporter.panel.text += part
-
-                stream = TextStream(decode, into_panel, segments)
-            reporter.memory_probe = lambda: memory_now(runner.session.cache)
-
-            def on_token(tokens, stats) -> None:
-                if stream is not None:
-                    stream.tokens_now(tokens)
-                reporter.token(tokens, max_new, stats.step_seconds, runner.session.cache)
-
-            runner.session.on_token = on_token
+        stream = _hook_tokens(runner, reporter, loaded.tokenizer, max_new, segments,
+                              out=write_out if stream_out else None, inside=inside and not as_json)
         reporter.phase("prefill")
         result = job(runner, text, reporter)
         if stream_out:
             stream.finish(f"\nAnswer: {result.answer}\n" if result.task == "cot" else "\n")
-            streamed = True
         reporter.finish()
-        stats = getattr(runner.session.cache, "stats", None)
-        if stats is not None and stats.steps:
-            d = stats.as_dict()
-            reporter.info(
-                f"{method}: {d['pages_loaded_per_step']:.0f} of {d['pages_selected_per_step']:.0f} pages "
-                f"loaded per step ({d['bytes_moved_per_step'] / 2**20:.2f} MiB); index query "
-                f"{d['query_ms_per_step']:.1f} ms, loading {d['load_ms_per_step']:.1f} ms, attention "
-                f"{d['attention_ms_per_step']:.1f} ms per step; index built in {d['index_build_s']:.2f} s")
-        for s in result.stats:
-            rate = s.tokens_prefilled / s.prefill_seconds if s.prefill_seconds else 0.0
-            reporter.info(
-                f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s "
-                f"({rate:.0f} tokens/s, {settings.prefill} prefill); "
-                f"{s.tokens_out} new tokens at {s.ms_per_token:.1f} ms/token"
-            )
-        mem = memory_figures(runner.session.cache)
-        result.memory = mem
-        reporter.info(
-            f"memory: peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; resident KV "
-            f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
-        if stats_line:
+        _report(reporter, runner, result, settings, method)
+        if opts.stats:
             print_stats_line(final_stats(result, runner.session.cache, settings), as_json)
     if as_json:
         emit(json.dumps(result.to_json(), ensure_ascii=False))
-    elif not streamed:
+    elif not stream_out:
         emit(render_text(result))
+
+
+def _hook_tokens(runner: Runner, reporter: Reporter, tok, max_new: int, segments, out, inside: bool):
+    """Each new token goes to the streamed text (``out``, or the panel when ``inside``) and the
+    panel's figures. Returns the stream (None when the text is printed at the end)."""
+    def decode(ids: list[int]) -> str:
+        return tok.decode(ids, skip_special_tokens=True)
+
+    stream = None
+    if out is not None:
+        stream = TextStream(decode, out, segments)
+    elif inside:
+        def into_panel(part: str) -> None:
+            reporter.panel.text += part
+
+        stream = TextStream(decode, into_panel, segments)
+    if reporter.panel is not None:
+        reporter.memory_probe = lambda: memory_now(runner.session.cache)
+    if stream is None and reporter.panel is None:
+        return None
+
+    def on_token(tokens, stats) -> None:
+        if stream is not None:
+            stream.tokens_now(tokens)
+        reporter.token(tokens, max_new, stats.step_seconds, runner.session.cache)
+
+    runner.session.on_token = on_token
+    return stream
+
+
+def _report(reporter: Reporter, runner: Runner, result: TaskResult, settings: Settings, method: str) -> None:
+    """The run's figures as status lines on stderr (and into ``result.memory``)."""
+    stats = getattr(runner.session.cache, "stats", None)
+    if stats is not None and stats.steps:
+        d = stats.as_dict()
+        reporter.info(
+            f"{method}: {d['pages_loaded_per_step']:.0f} of {d['pages_selected_per_step']:.0f} pages "
+            f"loaded per step ({d['bytes_moved_per_step'] / 2**20:.2f} MiB); index query "
+            f"{d['query_ms_per_step']:.1f} ms, loading {d['load_ms_per_step']:.1f} ms, attention "
+            f"{d['attention_ms_per_step']:.1f} ms per step; index built in {d['index_build_s']:.2f} s")
+    for s in result.stats:
+        rate = s.tokens_prefilled / s.prefill_seconds if s.prefill_seconds else 0.0
+        reporter.info(
+            f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s "
+            f"({rate:.0f} tokens/s, {settings.prefill} prefill); "
+            f"{s.tokens_out} new tokens at {s.ms_per_token:.1f} ms/token"
+        )
+    mem = memory_figures(runner.session.cache)
+    result.memory = mem
+    reporter.info(
+        f"memory: peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; resident KV "
+        f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
 
 
 def final_stats(result: TaskResult, cache, settings) -> dict:
@@ -219,7 +243,7 @@ def memory_figures(cache) -> dict:
     import resource
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-    dev, host = cache_kv_bytes(cache)
+    dev, host, _ = kv_bytes(cache)
     return {"peak_rss_bytes": int(peak), "device_kv_bytes": dev, "host_kv_bytes": host}
 
 
@@ -233,75 +257,41 @@ def render_text(result: TaskResult) -> str:
     return result.output
 
 
+@with_options("opts", RunOptions)
 def summarize(
     file: FileArg = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")] = 256,
-    model: ModelOpt = None,
-    profile: ProfileOpt = None,
-    method: MethodOpt = "full",
-    budget: BudgetOpt = None,
-    reuse_every: ReuseOpt = None,
-    prefill: PrefillOpt = None,
-    chunk_size: ChunkOpt = None,
-    pipeline: PipelineOpt = None,
-    repetition_penalty: _penalty_opt(SUMMARY_REPETITION_PENALTY) = SUMMARY_REPETITION_PENALTY,
-    as_json: JsonOpt = False,
-    stats: StatsOpt = False,
-    quiet: QuietOpt = False,
+    max_new_tokens: max_new_opt() = 256,
+    repetition_penalty: penalty_opt() = SUMMARY_REPETITION_PENALTY,
+    opts: RunOptions = None,
 ) -> None:
     """Summarize a document."""
-    run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty),
-             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline),
-             max_new=max_new_tokens, stats_line=stats, task="summarize")
+    run_task("summarize", file, opts, max_new_tokens,
+             lambda r, text, rep: r.summarize(text, max_new_tokens, rep.progress, repetition_penalty))
 
 
+@with_options("opts", RunOptions)
 def qa(
     file: FileArg = None,
     question: Annotated[list[str], typer.Option("--question", "-q", help="A question about the document; repeat for several.")] = [],  # noqa: B006
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens per answer.")] = 64,
-    model: ModelOpt = None,
-    profile: ProfileOpt = None,
-    method: MethodOpt = "full",
-    budget: BudgetOpt = None,
-    reuse_every: ReuseOpt = None,
-    prefill: PrefillOpt = None,
-    chunk_size: ChunkOpt = None,
-    pipeline: PipelineOpt = None,
-    repetition_penalty: _penalty_opt(1.0) = 1.0,
-    as_json: JsonOpt = False,
-    stats: StatsOpt = False,
-    quiet: QuietOpt = False,
+    max_new_tokens: max_new_opt("Most tokens per answer.") = 64,
+    repetition_penalty: penalty_opt() = 1.0,
+    opts: RunOptions = None,
 ) -> None:
     """Answer questions about a document (the document is read once for all questions)."""
-    if not question:
-        raise typer.BadParameter("give at least one question with -q/--question", param_hint="'-q'")
     # Streamed answers carry the same "Q: ... / A: ..." layout as the final output.
     segments = [("\n\n" if i else "") + f"Q: {q}\nA: " for i, q in enumerate(question)] if len(question) > 1 else None
-    run_task(file, model, profile, method, budget, as_json, quiet,
+    run_task("qa", file, opts, max_new_tokens,
              lambda r, text, rep: r.qa(text, list(question), max_new_tokens, rep.progress, repetition_penalty),
-             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline),
-             max_new=max_new_tokens, stats_line=stats, task="qa", segments=segments)
+             segments=segments, questions=list(question))
 
 
+@with_options("opts", RunOptions)
 def cot(
     file: FileArg = None,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", min=1, help="Most tokens to generate.")] = 512,
-    model: ModelOpt = None,
-    profile: ProfileOpt = None,
-    method: MethodOpt = "full",
-    budget: BudgetOpt = None,
-    reuse_every: ReuseOpt = None,
-    prefill: PrefillOpt = None,
-    chunk_size: ChunkOpt = None,
-    pipeline: PipelineOpt = None,
-    repetition_penalty: _penalty_opt(1.0) = 1.0,
-    as_json: JsonOpt = False,
-    stats: StatsOpt = False,
-    quiet: QuietOpt = False,
+    max_new_tokens: max_new_opt() = 512,
+    repetition_penalty: penalty_opt() = 1.0,
+    opts: RunOptions = None,
 ) -> None:
     """Reason step by step over a problem; the last line is the extracted final answer."""
-    run_task(file, model, profile, method, budget, as_json, quiet,
-             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty),
-             flags=dict(reuse_every=reuse_every, prefill=prefill, chunk_size=chunk_size, pipeline=pipeline),
-             max_new=max_new_tokens, stats_line=stats, task="cot")
+    run_task("cot", file, opts, max_new_tokens,
+             lambda r, text, rep: r.cot(text, max_new_tokens, rep.progress, repetition_penalty))

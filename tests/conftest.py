@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import os
+import pty
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -39,3 +41,34 @@ def run_cli(args: list[str], stdin: bytes | None = b"", env: dict | None = None,
         cwd=REPO,
         timeout=timeout,
     )
+
+
+def on_pty(args: list[str], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, env: dict | None = None,
+           until: str | None = None, then=None, timeout: int = 600):
+    """Run the CLI with stderr on a pseudo-terminal (NO_COLOR unset unless ``env`` sets it);
+    once ``until`` shows on the screen, ``then(proc)`` runs. Returns (exit code, screen text,
+    stdout bytes, or None when ``stdout`` is not a pipe)."""
+    master, slave = pty.openpty()
+    full_env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "40"}
+    full_env.pop("NO_COLOR", None)
+    full_env.update(env or {})
+    proc = subprocess.Popen([sys.executable, "-m", "icecache_cli", *args], stdin=stdin, stdout=stdout,
+                            stderr=slave, env=full_env, cwd=REPO)
+    os.close(slave)
+    screen, fired = b"", False
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        screen += chunk
+        if until and not fired and until.encode() in screen:
+            fired = True
+            then(proc)
+    out = proc.stdout.read() if proc.stdout is not None else None
+    proc.wait(timeout=60)
+    os.close(master)
+    return proc.returncode, screen.decode("utf8", "replace"), out

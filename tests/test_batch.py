@@ -48,9 +48,11 @@ def test_folder_with_bad_documents(folder, tmp_path):
     good = [x for x in recs if not x["error"]]
     assert len(good) == 17 and all(x["output"] and x["tokens_out"] > 0 and x["hash"] for x in good)
     assert all(x["task"] == "summarize" and x["method"] == "full" for x in recs)
-    # Rerun: everything is done already, nothing appended; the same exit code is not repeated.
+    # Rerun: everything is done already, nothing appended; the three inputs that have only
+    # error records keep the exit code at 3.
     again = run_cli(["batch", str(folder), "--max-new-tokens", "3", "--out", str(out)])
-    assert again.returncode == 0 and len(records(out.read_text())) == 20
+    assert again.returncode == b.EXIT_SOME_FAILED and len(records(out.read_text())) == 20
+    assert "(3 of them have only error records)" in again.stderr.decode()
 
 
 def test_sigterm_then_resume_gives_each_document_once(folder, tmp_path):
@@ -63,6 +65,7 @@ def test_sigterm_then_resume_gives_each_document_once(folder, tmp_path):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(60) == 143
+    assert proc.stderr.read() == b"icecache: error: terminated\n"  # even with --quiet: it is an error
     first = records(out.read_text())  # every line parses
     assert 3 <= len(first) < 20
     r = run_cli(["batch", str(folder), "--max-new-tokens", "4", "--out", str(out), "--quiet"])
@@ -76,7 +79,8 @@ def test_cut_last_line_is_dropped_on_resume(tmp_path):
     out.write_text('{"path": "a", "hash": "h", "task": "summarize", "question": null}\n{"path": "b", "ha')
     rf = b.ResultsFile(out)
     rf.close()
-    assert out.read_text().count("\n") == 1 and rf.done == {("a", "h", "summarize", None)}
+    assert out.read_text().count("\n") == 1 and rf.done == {(b.resolved("a"), "h", "summarize", None)}
+    assert rf.failed == set()  # no error in the record
 
 
 def test_shards_are_disjoint_and_cover(folder):

@@ -73,3 +73,26 @@ def test_bench_prefill_modes(tmp_path):
     assert all(x["index_insert_s"] > 0 for x in rows if x["mode"] == "sparse" and x["ctx"] == 500)
     bad = run_cli(["bench", "prefill", "--modes", "fast"])
     assert bad.returncode == 2 and "unknown mode 'fast'" in bad.stderr.decode()
+
+
+def test_bench_skips_what_cannot_fit_and_hands_rows_over_as_measured(loaded, cpu_settings, monkeypatch):
+    """A method whose estimated need exceeds what is available gets a skipped row and the others
+    still run; each row reaches ``on_row`` when it is measured; the estimates are not below the
+    KV bytes the methods really hold."""
+    from icecache import memory
+    from icecache.bench import full_bench
+
+    settings = cpu_settings.replace(budget=64)
+    real_need = memory.need_bytes
+    monkeypatch.setattr(full_bench, "need_bytes", lambda m, *a, **k: memory.Need(
+        0, 2**50) if m == "full" else real_need(m, *a, **k))
+    seen = []
+    rows = full_bench.run_ctx(loaded, settings, ["full", "dense", "streaming", "ice"], 300, steps=1,
+                              warmup=1, on_row=lambda r: seen.append((r.method, r.status)))
+    assert seen == [("full", "skipped"), ("dense", "ok"), ("streaming", "ok"), ("ice", "ok")]
+    full = rows[0]
+    assert full.status == "skipped" and full.reason.startswith("needs 1048576.0 GiB, ")
+    assert full.reason.endswith(" GiB available") and full.tpot_ms is None
+    for r in rows[1:]:
+        need = real_need(r.method, loaded.model.config, settings, 300 + 1 + 1 + 1)
+        assert r.device_kv_bytes + r.host_kv_bytes <= need.total, r.method

@@ -8,8 +8,6 @@ import json
 import os
 import pty
 import re
-import subprocess
-import sys
 
 import pytest
 from rich.console import Console
@@ -17,7 +15,7 @@ from rich.console import Console
 from icecache_cli import output
 from icecache_cli.live import LivePanel, TextStream, same_terminal
 
-from .conftest import EXAMPLE, REPO, run_cli
+from .conftest import EXAMPLE, on_pty, run_cli
 
 
 class FakeTokenizer:
@@ -118,32 +116,10 @@ def test_reporter_panel_on_a_terminal_and_plain_lines_on_a_dumb_one(monkeypatch)
     assert rep.panel is None
 
 
-def _on_pty(args, stdout_path):
-    """Run the CLI with stderr on a pseudo-terminal (stdout to a file); return (rc, screen)."""
-    master, slave = pty.openpty()
-    env = {**os.environ, "TERM": "xterm-256color", "COLUMNS": "100", "LINES": "40"}
-    env.pop("NO_COLOR", None)
-    with open(stdout_path, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "icecache_cli", *args], stdin=subprocess.DEVNULL,
-                                stdout=out, stderr=slave, env=env, cwd=REPO)
-        os.close(slave)
-        screen = b""
-        while True:
-            try:
-                chunk = os.read(master, 65536)
-            except OSError:
-                break
-            if not chunk:
-                break
-            screen += chunk
-        proc.wait(timeout=600)
-    os.close(master)
-    return proc.returncode, screen.decode("utf8", "replace")
-
-
 def test_real_terminal_run_shows_the_panel_and_streams_the_same_text(tmp_path):
     args = ["summarize", str(EXAMPLE), "--method", "ice", "--max-new-tokens", "12", "--budget", "64"]
-    rc, screen = _on_pty(args + ["--stats"], tmp_path / "out.txt")
+    with open(tmp_path / "out.txt", "w") as out:
+        rc, screen, _ = on_pty(args + ["--stats"], stdout=out)
     assert rc == 0, screen[-2000:]
     plain = re.sub(r"\x1b\[[0-9;?]*[A-Za-z]", "", screen)
     assert "icecache summarize (ice)" in plain and "per token" in plain and "resident KV" in plain

@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from ..generation import Prefilled, Session, prefill_once
+from ..measure import kv_bytes
 from ..textgen import generated_text
 from .warm import ensure_warm
 
@@ -46,17 +47,6 @@ def context_ids(tokenizer, n: int, seed: int = 0) -> list[int]:
         ids = tokenizer(generated_text(words, seed))["input_ids"]
         words = int(words * 1.3) + 16
     return ids[:n]
-
-
-def kv_bytes(cache, dense_layers: int) -> tuple[int, int, int]:
-    """(device-resident KV bytes, host-store KV bytes, device bytes of layers >= dense_layers)."""
-    if hasattr(cache, "ice_layers"):
-        sparse = sum(layer.device_bytes() for layer in cache.ice_layers())
-        return cache.device_kv_bytes(), cache.host_kv_bytes(), sparse
-    per = [layer.device_bytes() if hasattr(layer, "device_bytes")
-           else 2 * layer.keys.numel() * layer.keys.element_size() for layer in cache.layers
-           if getattr(layer, "keys", None) is not None]
-    return sum(per), 0, sum(per[dense_layers:])
 
 
 def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:

@@ -14,7 +14,9 @@ included), prefill tokens/s, time per output token (median and p90 over the time
 warm-up), the per-token breakdown, resident and host KV bytes, peak RSS (sampled) and the ratio
 of every TPOT to ``full``'s and ``dense``'s at the same context. A method that fails (out of
 memory) or whose decode step is over ``max_seconds`` is reported with its reason, and the bench
-goes on.
+goes on. Before a method starts, its memory need is estimated (:mod:`icecache.memory`) and
+compared with what is available; one that cannot fit gets a ``skipped`` row with the figures
+instead of running (and the run goes on). ``on_row`` receives each row as soon as it is measured.
 """
 
 from __future__ import annotations
@@ -26,8 +28,9 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from ..generation import Prefilled, Session, prefill_once
+from ..measure import PeakRss, kv_bytes
+from ..memory import available_bytes, need_bytes, shortfall
 from .decode_bench import context_ids, time_decode
-from .prefill_bench import PeakRss
 from .warm import ensure_warm
 
 
@@ -35,7 +38,7 @@ from .warm import ensure_warm
 class BenchRow:
     method: str
     ctx: int
-    status: str = "ok"  # ok | out of memory | over time cap | error
+    status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap
     reason: str = ""
     kv_source: str = ""
     tt2t_s: float | None = None
@@ -65,8 +68,6 @@ def release_current_cache() -> None:
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
              max_seconds: float | None, on_step=None) -> BenchRow:
     """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
-    from .decode_bench import kv_bytes
-
     cuda = torch.cuda.is_available() and session.loaded.model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -95,12 +96,49 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     return row
 
 
+def _ratios(row: BenchRow, rows: list[BenchRow]) -> BenchRow:
+    """``row``'s TPOT ratios to full's and dense's rows measured so far."""
+    for base in ("full", "dense"):
+        ref = next((r for r in rows if r.method == base and r.status == "ok"), None)
+        if row.status == "ok" and ref is not None:
+            setattr(row, f"tpot_ratio_vs_{base}", ref.tpot_ms / row.tpot_ms)
+    return row
+
+
+def _method_skip(loaded, settings, method: str, tokens: int) -> str | None:
+    """Why ``method`` cannot start (its cache would not fit in the memory available), or None."""
+    return shortfall(need_bytes(method, loaded.model.config, settings, tokens), available_bytes(settings))
+
+
+def _shared_prefill_skip(loaded, settings, ctx: int, full: bool) -> str | None:
+    """Why the prefill the methods start from cannot run, or None: a full prefill holds its dense
+    cache and the copy it hands over; a longer context's sparse prefill is ice's own."""
+    if full:
+        need = need_bytes("dense", loaded.model.config, settings, ctx)
+        need = type(need)(device=2 * need.device, host=2 * need.host)
+    else:
+        need = need_bytes("ice", loaded.model.config, settings.replace(prefill="sparse"), ctx)
+    short = shortfall(need, available_bytes(settings))
+    return None if short is None else f"the shared {'full' if full else 'sparse'} prefill {short}"
+
+
 def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, warmup: int = 2,
             full_prefill_max: int = 32768, max_seconds: float | None = None,
-            log=lambda _m: None, on_progress=None, on_step=None) -> list[BenchRow]:
+            log=lambda _m: None, on_progress=None, on_step=None, on_row=None) -> list[BenchRow]:
     ensure_warm(loaded, settings, methods, sparse=ctx > full_prefill_max)
     ids = context_ids(loaded.tokenizer, ctx)
     rows: list[BenchRow] = []
+
+    def emit(row: BenchRow) -> None:
+        if on_row is not None:
+            on_row(_ratios(row, rows))
+
+    shared_need = _shared_prefill_skip(loaded, settings, ctx, ctx <= full_prefill_max)
+    if shared_need is not None:  # the prefill every method starts from cannot fit
+        rows = [BenchRow(m, ctx, status="skipped", reason=shared_need) for m in methods]
+        for r in rows:
+            emit(r)
+        return rows
     if ctx <= full_prefill_max:
         log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
         pre = prefill_once(loaded, settings, ids, on_progress=on_progress)
@@ -119,6 +157,7 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds,
                                  on_step))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
+            emit(rows[-1])
         todo = [m for m in methods if m != "ice"]
         session.cache.release_indexes()  # the rebuild needs the stores, not the indexes
         pre = Prefilled(list(ids), session.cache.dense_kv() if todo else [], logits,
@@ -127,25 +166,29 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         release_current_cache()
         gc.collect()
     for method in todo:
-        log(f"{method} at {ctx} tokens: decoding ...")
         row = BenchRow(method, ctx, kv_source=source, prefill_tok_s=len(ids) / pre.seconds)
+        too_big = _method_skip(loaded, settings, method, ctx + warmup + steps + 1)
+        if too_big is not None:
+            row.status, row.reason = "skipped", too_big
+            log(f"{method} at {ctx} tokens: skipped, {too_big}")
+            rows.append(row)
+            emit(row)
+            continue
+        log(f"{method} at {ctx} tokens: decoding ...")
         try:
             session = Session(loaded, settings, method)
             session.adopt(pre)
         except (MemoryError, torch.OutOfMemoryError) as exc:
             row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
             rows.append(row)
+            emit(row)
             continue
         rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds, on_step))
+        emit(rows[-1])
         del session
         release_current_cache()
         gc.collect()
-    by = {r.method: r for r in rows if r.status == "ok"}
     for r in rows:
-        if r.status != "ok":
-            continue
-        for base in ("full", "dense"):
-            if base in by:
-                setattr(r, f"tpot_ratio_vs_{base}", by[base].tpot_ms / r.tpot_ms)
+        _ratios(r, rows)
     order = {m: i for i, m in enumerate(methods)}
     return sorted(rows, key=lambda r: order[r.method])

@@ -15,9 +15,9 @@ indexed. Peak RSS is sampled every 20 ms while the mode runs.
 
 from __future__ import annotations
 
-import os
-import threading
 from dataclasses import asdict, dataclass
+
+from ..measure import PeakRss, kv_bytes
 
 MODES = {
     "full": ("full", {}),
@@ -45,41 +45,11 @@ class PrefillResult:
         return asdict(self)
 
 
-def rss_bytes() -> int:
-    with open("/proc/self/statm") as f:
-        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakRss:
-    """The largest resident set size seen while the ``with`` block runs (sampled)."""
-
-    def __init__(self, every: float = 0.02):
-        self.every, self.peak = every, 0
-        self._stop = threading.Event()
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            self.peak = max(self.peak, rss_bytes())
-            self._stop.wait(self.every)
-
-    def __enter__(self) -> PeakRss:
-        self.peak = rss_bytes()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, rss_bytes())
-
-
 def run(loaded, settings, mode: str, ids: list[int], on_progress=None) -> PrefillResult:
     import gc
 
     import torch
 
-    from ..bench.decode_bench import kv_bytes
     from ..generation import Session
 
     method, changes = MODES[mode]

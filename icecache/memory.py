@@ -1,0 +1,141 @@
+"""Will a method's KV cache fit? An estimate before it starts, against the memory available.
+
+:func:`need_bytes` estimates what a method allocates for a sequence of ``tokens`` beyond what is
+already in use (the model's weights are): dense keys and values for ``full`` (plus one layer's
+copy while transformers concatenates a step onto it), ``dense`` and the oracles (their growing
+buffers keep 256 tokens or 1/8 spare capacity, and one layer is copied when one grows); for the
+paged methods the dense layers, the resident pools, the host store and the index. ``extra``
+counts copies a caller makes on top (a shared prefill's keys and values).
+
+:func:`available_bytes` is ``MemAvailable`` of ``/proc/meminfo`` capped by the profile's
+``host_memory_gib`` (on a CUDA profile, the device's free memory capped by
+``device_memory_gib`` counts for the device part). ``ICECACHE_MEM_AVAILABLE_GIB`` replaces the
+measured host figure: meant for tests, to force a method not to fit.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+from .config import Settings
+from .errors import UsageError
+
+ENV_AVAILABLE = "ICECACHE_MEM_AVAILABLE_GIB"
+# One DCI-tree's bytes per key and KV head (transformed key, page-major, with the splits' partly
+# filled pages): 0.45-0.5 KB measured (docs/ice.md); Quest's key bounds are far smaller.
+INDEX_BYTES_PER_KEY = 480
+QUEST_BYTES_PER_KEY = 2 * 4 * 64 // 16  # min and max per channel per page of 16, float32
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class Need:
+    """Bytes a method would allocate: on the compute device and in host memory."""
+
+    device: int
+    host: int
+
+    @property
+    def total(self) -> int:
+        return self.device + self.host
+
+
+def kv_shape(model_config) -> tuple[int, int, int]:
+    """(layers, KV heads, head dim) of a transformers model config."""
+    layers = int(model_config.num_hidden_layers)
+    heads = int(getattr(model_config, "num_key_value_heads", None) or model_config.num_attention_heads)
+    head_dim = getattr(model_config, "head_dim", None) or model_config.hidden_size // model_config.num_attention_heads
+    return layers, heads, int(head_dim)
+
+
+def need_bytes(method: str, model_config, settings: Settings, tokens: int, extra: int = 0) -> Need:
+    """What ``method`` allocates for ``tokens`` prompt and generated tokens (an estimate)."""
+    from .methods import get
+
+    m = get(method)
+    layers, heads, head_dim = kv_shape(model_config)
+    per_layer_token = 2 * heads * head_dim * DTYPE_BYTES[settings.dtype]  # keys and values
+    layer = per_layer_token * tokens
+    grown = per_layer_token * max(tokens + 256, tokens * 9 // 8)  # a growing buffer's capacity
+    on_device = settings.device != "cpu"
+    if m.cache == "sdpa":  # torch.cat of each new step: the old and the new tensor of one layer
+        dev = layers * layer + layer
+    elif m.cache in ("dense", "oracle"):  # spare capacity, and one layer copied when it grows
+        dev = layers * grown + layer
+        if m.cache == "oracle" and m.oracle_per == "query":
+            dev += layer  # per query head scores of a layer
+    else:
+        dense = min(settings.dense_layers, layers)
+        sparse = layers - dense
+        page = settings.page_size
+        resident = (settings.sink_pages + settings.window_pages + 1) * page + max(
+            settings.budget if m.budgeted else 0, settings.prefill_budget if settings.prefill == "sparse" else 0)
+        pools = sparse * per_layer_token * (resident + (settings.chunk_size if settings.prefill == "sparse" else 0))
+        dev = dense * grown + pools
+        host_item = DTYPE_BYTES[_host_dtype(settings)]
+        host = sparse * 2 * heads * head_dim * host_item * tokens
+        per_key = {"dci": INDEX_BYTES_PER_KEY, "quest": QUEST_BYTES_PER_KEY}.get(m.selector or "", 0)
+        host += sparse * heads * per_key * tokens
+        return _split(dev, host + extra, on_device)
+    return _split(dev, extra, on_device)
+
+
+def _host_dtype(settings: Settings) -> str:
+    from .methods import host_dtype
+
+    return host_dtype(settings) or settings.dtype
+
+
+def _split(device: int, host: int, on_device: bool) -> Need:
+    return Need(device=device, host=host) if on_device else Need(device=0, host=device + host)
+
+
+def _meminfo_available() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def available_bytes(settings: Settings) -> Need:
+    """Memory free for new allocations: host (and device on a CUDA profile), in bytes."""
+    forced = os.environ.get(ENV_AVAILABLE)
+    if forced:
+        try:
+            host = int(float(forced) * GIB)
+        except ValueError:
+            raise UsageError(f"{ENV_AVAILABLE}={forced!r} is not a number of GiB") from None
+    else:
+        measured = _meminfo_available()
+        cap = int(settings.host_memory_gib * GIB)
+        host = cap if measured is None else min(measured, cap)
+    device = 0
+    if settings.device != "cpu":
+        import torch
+
+        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
+        device = min(free, int(settings.device_memory_gib * GIB)) if settings.device_memory_gib else free
+    return Need(device=device, host=host)
+
+
+def shortfall(need: Need, have: Need) -> str | None:
+    """``None`` when ``need`` fits in ``have``, else "needs X GiB, Y GiB available"."""
+    if need.host > have.host:
+        return f"needs {need.host / GIB:.1f} GiB, {have.host / GIB:.1f} GiB available"
+    if need.device > have.device:
+        return f"needs {need.device / GIB:.1f} GiB of device memory, {have.device / GIB:.1f} GiB available"
+    return None
+
+
+def check_fits(method: str, model_config, settings: Settings, tokens: int) -> None:
+    """A one-line :class:`UsageError` when ``method``'s cache for ``tokens`` cannot fit."""
+    short = shortfall(need_bytes(method, model_config, settings, tokens), available_bytes(settings))
+    if short:
+        hint = ("; use --method ice --prefill sparse" if method != "ice" else "; use a machine with more memory")
+        raise UsageError(f"--method {method} for {tokens} tokens {short} (estimated, for its KV cache){hint}")
