@@ -15,7 +15,7 @@ from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
-from .methods import check_method, get
+from .methods import check_method, plan_run, get
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
@@ -58,11 +58,15 @@ class TaskResult:
         return d
 
 
-def context_limit(settings: Settings, trained: int | None) -> int:
-    """Prompt + generation tokens a run may hold: the model's trained context (when known), or
-    with a sparse prefill (whose cost does not grow with the prompt) the profile's
-    ``max_context``."""
-    if settings.prefill == "sparse" or not trained:
+def context_limit(settings: Settings, trained: int | None, method: str = "full") -> int:
+    """Prompt + generation tokens a run may hold: the profile's ``max_context`` when ``method``
+    can prefill sparsely (``prefill: sparse`` or ``auto``: its cost does not grow with the
+    prompt, and ``positions`` keep distances inside the trained range) or the trained context is
+    not known; else the model's trained context."""
+    from .methods import get
+
+    sparse = settings.prefill == "sparse" or (settings.prefill == "auto" and get(method).sparse_prefill)
+    if sparse or not trained:
         return settings.max_context
     return min(trained, settings.max_context)
 
@@ -89,17 +93,23 @@ class Runner:
         self.method = check_method(method)
         self.session = Session(loaded, settings, method)
         self.warn: Callable[[str], None] | None = None  # where warnings go (the CLI's stderr)
+        self.note: Callable[[str], None] | None = None  # where the run's choices are said
 
     @property
     def context_limit(self) -> int:
         """Prompt + generation tokens a run may hold: the model's trained context, or with a
         sparse prefill (whose cost does not grow with the prompt) the profile's ``max_context``."""
-        return context_limit(self.settings, self.loaded.context_length)
+        return context_limit(self.settings, self.loaded.context_length, self.method)
 
     def beyond_trained(self, prompt_tokens: int, max_new_tokens: int) -> str | None:
-        """A warning when a (sparse-prefill) run goes past the positions the model was trained on."""
+        """A warning when a run goes past the positions the model was trained on at their true
+        distances (``positions: true``, or a method that cannot remap them)."""
         total = prompt_tokens + max_new_tokens
-        if total <= self.loaded.context_length:
+        plan = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens, max_new_tokens)
+        if self.note:
+            self.note(f"{plan.prefill} prefill, {plan.positions} positions ({prompt_tokens} prompt tokens, "
+                      f"{self.loaded.context_length} trained)")
+        if total <= self.loaded.context_length or plan.positions == "remap":
             return None
         return (f"{total} tokens go past the {self.loaded.context_length} positions "
                 f"{self.loaded.name} was trained on; expect weaker output there")

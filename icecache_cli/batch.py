@@ -26,7 +26,7 @@ def batch(
     max_new_tokens: max_new_opt("Most tokens per output.") = 256,
     model: ModelOpt = None,
     profile: ProfileOpt = None,
-    method: MethodOpt = "full",
+    method: MethodOpt = "ice",
     budget: BudgetOpt = None,
     quiet: QuietOpt = False,
 ) -> None:

@@ -45,7 +45,11 @@ ReuseOpt = _profile_setting(int, "--reuse-every", min=1, about=(
     "ice-reuse: one layer in N queries its index, the next N-1 reuse its pages (the profile's: 3)."))
 PrefillOpt = _profile_setting(str, "--prefill", about=(
     "full: each chunk attends to everything before it; sparse: to the sink, the pages the index "
-    "selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest)."))
+    "selects and a window (memory and time grow linearly; ice, ice-reuse, streaming, quest); "
+    "auto: full while the prompt fits the trained context and the memory, sparse beyond."))
+PositionsOpt = _profile_setting(str, "--positions", about=(
+    "RoPE positions past the model's trained context: remap (every attended token at a distance "
+    "the model knows), true, or auto (remap when prompt + generation outgrow it)."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
@@ -69,10 +73,11 @@ class RunOptions:
 
     model: ModelOpt = None
     profile: ProfileOpt = None
-    method: MethodOpt = "full"
+    method: MethodOpt = "ice"
     budget: BudgetOpt = None
     reuse_every: ReuseOpt = None
     prefill: PrefillOpt = None
+    positions: PositionsOpt = None
     chunk_size: ChunkOpt = None
     pipeline: PipelineOpt = None
     as_json: JsonOpt = False
@@ -82,7 +87,7 @@ class RunOptions:
     def flags(self) -> dict:
         """The settings given as flags (``None``: the profile's)."""
         return dict(budget=self.budget, reuse_every=self.reuse_every, prefill=self.prefill,
-                    chunk_size=self.chunk_size, pipeline=self.pipeline)
+                    chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions)
 
 
 @dataclass

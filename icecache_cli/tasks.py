@@ -94,7 +94,7 @@ def preflight(opts: RunOptions, max_new: int, log: Callable[[str], None]):
     check_generation_room(max_new, settings.max_context, f"max_context of the {settings.name} profile")
     resolved = resolve_model_source(opts.model, log)  # a .gguf that is not one fails here
     trained = context_length_of(resolved[1])
-    check_generation_room(max_new, context_limit(settings, trained), resolved[0])
+    check_generation_room(max_new, context_limit(settings, trained, opts.method), resolved[0])
     return settings, resolved
 
 
@@ -133,6 +133,7 @@ def run_task(
         reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
         runner = Runner(loaded, settings, method)
         runner.warn = reporter.warn
+        runner.note = reporter.info
         stream = _hook_tokens(runner, reporter, loaded.tokenizer, max_new, segments,
                               out=write_out if stream_out else None, inside=inside and not as_json)
         reporter.phase("prefill")
@@ -142,7 +143,7 @@ def run_task(
         reporter.finish()
         _report(reporter, runner, result, settings, method)
         if opts.stats:
-            print_stats_line(final_stats(result, runner.session.cache, settings), as_json)
+            print_stats_line(final_stats(result, runner.session.cache, settings, runner.session), as_json)
     if as_json:
         emit(json.dumps(result.to_json(), ensure_ascii=False))
     elif not stream_out:
@@ -201,7 +202,7 @@ def _report(reporter: Reporter, runner: Runner, result: TaskResult, settings: Se
         f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
 
 
-def final_stats(result: TaskResult, cache, settings) -> dict:
+def final_stats(result: TaskResult, cache, settings, session=None) -> dict:
     """The run's figures for ``--stats``: prompt, prefill speed, per-token latency, memory."""
     steps = [1000 * t for s in result.stats for t in s.step_seconds]
     steps.sort()
@@ -209,6 +210,8 @@ def final_stats(result: TaskResult, cache, settings) -> dict:
     pre_tok = sum(s.tokens_prefilled for s in result.stats)
     out = {
         "method": result.method,
+        "prefill": session.prefill_mode if session is not None else settings.prefill,
+        "positions": session.positions if session is not None else None,
         "prompt_tokens": result.tokens_in,
         "prefill_s": round(pre_s, 3),
         "prefill_tok_s": round(pre_tok / pre_s, 1) if pre_s else None,
