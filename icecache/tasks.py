@@ -15,7 +15,7 @@ from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
-from .methods import check_method, plan_run, get
+from .methods import check_method, get, plan_run
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated

@@ -37,7 +37,7 @@ def batch(
     from icecache.models import context_length_of, load_model, resolve_model_source
     from icecache.tasks import Runner, check_generation_room, check_questions, context_limit
 
-    from .tasks import set_threads, check_budget_flag
+    from .tasks import check_budget_flag, set_threads
 
     with user_errors(), Reporter(quiet) as rep:
         if task not in ("summarize", "qa", "cot"):
@@ -59,7 +59,7 @@ def batch(
         results = b.ResultsFile(out)
         questions = question if task == "qa" else [None]
         resolved = resolve_model_source(model, rep.info)  # the generation room, before loading
-        check_generation_room(max_new_tokens, context_limit(settings, context_length_of(resolved[1])), resolved[0])
+        check_generation_room(max_new_tokens, context_limit(settings, context_length_of(resolved[1]), method), resolved[0])
         set_threads(settings.cpu_threads, rep)
         loaded = load_model(model, settings, log=rep.info, resolved=resolved)
         runner = Runner(loaded, settings, method)
