@@ -34,8 +34,8 @@ def test_summarize_returns_text_and_json_has_fields():
     obj = json.loads(lines[0])
     for key in ("task", "output", "tokens_in", "tokens_out", "model", "method", "budget", "seconds"):
         assert key in obj
-    assert obj["task"] == "summarize" and obj["method"] == "full"
-    assert obj["budget"] is None  # full keeps every token: no budget applied, none reported
+    assert obj["task"] == "summarize" and obj["method"] == "ice"  # IceCache is the default
+    assert obj["budget"] == 256  # the cpu profile's
     assert len(obj["output"].split()) >= 5
     assert 0 < obj["tokens_out"] <= 48 and obj["tokens_in"] > 500
 
@@ -52,7 +52,7 @@ def test_stdin_without_file_argument_and_cot_json():
 def test_document_too_long_fails_with_both_lengths(tmp_path):
     doc = tmp_path / "long.txt"
     doc.write_text("The harbor was quiet that night. " * 1500)
-    r = run_cli(["summarize", str(doc)])
+    r = run_cli(["summarize", str(doc), "--method", "full"])  # full: the trained context is its limit
     err = r.stderr.decode()
     assert r.returncode == 2 and r.stdout == b""
     assert "document too long" in err and "8192" in err and "Traceback" not in err

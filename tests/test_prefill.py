@@ -206,7 +206,7 @@ def test_cli_sparse_prefill_json_memory_and_refusal():
     mem = doc["memory"]
     assert mem["peak_rss_bytes"] > 0 and mem["host_kv_bytes"] > 0 and mem["device_kv_bytes"] > 0
     assert "sparse prefill" in r.stderr.decode() and "peak RSS" in r.stderr.decode()
-    bad = run_cli(["summarize", str(EXAMPLE), "--prefill", "sparse"])  # method full
+    bad = run_cli(["summarize", str(EXAMPLE), "--method", "full", "--prefill", "sparse"])
     assert bad.returncode == 2 and "--prefill sparse works with" in bad.stderr.decode()
     bad = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--prefill", "half"])
     assert bad.returncode == 2 and "--prefill must be one of full, sparse" in bad.stderr.decode()
@@ -215,9 +215,18 @@ def test_cli_sparse_prefill_json_memory_and_refusal():
 def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
     from icecache.tasks import Runner
 
-    full = Runner(loaded, cpu_settings, "ice")
+    full = Runner(loaded, cpu_settings.replace(prefill="full"), "ice")
     assert full.context_limit == loaded.context_length  # 8192 for the embedded model
-    sparse = Runner(loaded, cpu_settings.replace(prefill="sparse"), "ice")
-    assert sparse.context_limit == cpu_settings.max_context > loaded.context_length
-    assert sparse.beyond_trained(100, 10) is None
-    assert "trained on" in sparse.beyond_trained(loaded.context_length, 10)
+    assert Runner(loaded, cpu_settings, "full").context_limit == loaded.context_length
+    for prefill in ("sparse", "auto"):
+        sparse = Runner(loaded, cpu_settings.replace(prefill=prefill), "ice")
+        assert sparse.context_limit == cpu_settings.max_context > loaded.context_length
+    true = Runner(loaded, cpu_settings.replace(prefill="sparse", positions="true"), "ice")
+    assert true.beyond_trained(100, 10) is None
+    assert "trained on" in true.beyond_trained(loaded.context_length, 10)
+    notes = []
+    sparse.note = notes.append
+    # auto: the prompt fits the trained context (full prefill), the generation goes past it (remap)
+    assert sparse.beyond_trained(loaded.context_length, 10) is None
+    assert notes == [f"full prefill, remap positions ({loaded.context_length} prompt tokens, "
+                     f"{loaded.context_length} trained)"]
