@@ -92,6 +92,8 @@ def _check_type(key: str, value: Any, source: str) -> Any:
         return float(value)
     if want is bool and isinstance(value, bool):
         return value
+    if key == "positions" and value is True:
+        return "true"  # YAML reads an unquoted `positions: true` as a boolean
     if isinstance(value, bool) or not isinstance(value, want):
         raise ProfileError(f"{_where(source, key)} must be {want.__name__}, got {type(value).__name__} {value!r}")
     return value

@@ -95,3 +95,16 @@ def test_profiles_command_lists_and_rejects(tmp_path):
     assert r.stdout == b""
     err = r.stderr.decode()
     assert err.count("\n") == 1 and str(bad) in err and "'budget'" in err
+
+
+def test_positions_true_unquoted_in_yaml(tmp_path):
+    """YAML reads `positions: true` as a boolean: it means the mode "true"; other values are checked."""
+    from icecache.config import load_profile
+    from icecache.errors import ProfileError
+
+    p = tmp_path / "p.yaml"
+    p.write_text("positions: true\n")
+    assert load_profile(str(p)).positions == "true"
+    p.write_text("positions: sometimes\n")
+    with pytest.raises(ProfileError, match="positions"):
+        load_profile(str(p))
