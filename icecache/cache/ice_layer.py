@@ -260,9 +260,8 @@ class IceLayer(CacheLayerMixin):
             if self.remap.pages == "ordered":  # the loaded rows in token order beyond the window
                 pool = slice(r.pool_at, r.window_at)
                 offset, block = ordered_offsets(r.pool_row, r.valid[:, pool])
-                H, n = offset.shape
-                pool_k = self.remap.frame.rotate(k[:, pool].reshape(H * n, d), 0, -offset.reshape(-1))
-                pool_k = pool_k.reshape(H, n, d)
+                cos, sin = self.remap.frame.back_table(offset.shape[1])
+                pool_k = self.remap.frame.rotate_by(k[:, pool], cos[offset], sin[offset])
             # the sink just before the pages: its last token one position before their first
             qs = self.remap.query_regions(q, self.length - 1, page_distance + block + r.sink_fill - 1,
                                           page_distance)

@@ -28,6 +28,7 @@ inverts the model's own rotation to float rounding at any position.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -90,6 +91,18 @@ class RopeFrame:
         """``x`` (..., n, head_dim) rotated from positions ``src`` to ``dst`` (per row or one
         for all rows); channels past ``rotary_dim`` are left as they are."""
         cos, sin = self.rotation(src, dst, x.device)
+        return self.rotate_by(x, cos, sin)
+
+    @functools.lru_cache(maxsize=8)  # noqa: B019  (a few frames per process, kept for their run)
+    def back_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to 0, -1, ..., -(n-1)
+        (a decode step places its loaded rows at these offsets; the table spares the trig)."""
+        cos, sin = self.rotation(0, -torch.arange(n))
+        return cos.float(), sin.float()
+
+    def rotate_by(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """``x`` (..., head_dim) rotated by the angles whose cos and sin (..., rotary_dim) are
+        given (broadcast)."""
         r = self.rotary_dim
         head = x[..., :r].float()
         half = r // 2
