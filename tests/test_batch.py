@@ -58,7 +58,8 @@ def test_folder_with_bad_documents(folder, tmp_path):
 
 def test_sigterm_then_resume_gives_each_document_once(folder, tmp_path):
     out = tmp_path / "r.jsonl"
-    args = [sys.executable, "-m", "icecache_cli", "batch", str(folder), "--max-new-tokens", "4",
+    # --method full refuses long.txt at once (ice, the default, would prefill its 32k tokens)
+    args = [sys.executable, "-m", "icecache_cli", "batch", str(folder), "--method", "full", "--max-new-tokens", "4",
             "--out", str(out), "--quiet"]
     proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     deadline = time.time() + 240
@@ -69,7 +70,7 @@ def test_sigterm_then_resume_gives_each_document_once(folder, tmp_path):
     assert proc.stderr.read() == b"icecache: error: terminated\n"  # even with --quiet: it is an error
     first = records(out.read_text())  # every line parses
     assert 3 <= len(first) < 20
-    r = run_cli(["batch", str(folder), "--max-new-tokens", "4", "--out", str(out), "--quiet"])
+    r = run_cli(["batch", str(folder), "--method", "full", "--max-new-tokens", "4", "--out", str(out), "--quiet"])
     assert r.returncode == b.EXIT_SOME_FAILED
     paths = [x["path"] for x in records(out.read_text())]
     assert len(paths) == 20 and len(set(paths)) == 20
