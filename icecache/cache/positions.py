@@ -172,12 +172,28 @@ def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torc
     [pool_at, window_at) (pool; ``pool_keys`` instead of those rows of ``k`` if given) and
     [window_at, L) (window); k, v (H, L, d); valid (H, L) -> (H, G, d). Softmax over all regions
     at once, in float32."""
-    regions = [k[:, :pool_at], k[:, pool_at:window_at] if pool_keys is None else pool_keys, k[:, window_at:]]
-    parts = [torch.einsum("hgd,hld->hgl", qs[i].float(), keys.float()) for i, keys in enumerate(regions)]
-    scores = torch.cat(parts, dim=-1) * scaling
-    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    keys = [k[:, :pool_at], k[:, pool_at:window_at] if pool_keys is None else pool_keys, k[:, window_at:]]
+    values = [v[:, :pool_at], v[:, pool_at:window_at], v[:, window_at:]]
+    return attend_regions(list(zip(qs, keys, values, strict=True)), valid, scaling)
+
+
+def attend_regions(regions, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+    """Attention of one decode step whose key rows come in regions, each with its own query:
+    ``regions`` = [(q (H, G, d), k (H, n_i, d), v (H, n_i, d)), ...] (views, not copied);
+    ``valid`` (H, sum n_i) or None (all rows) -> (H, G, d). One softmax over every region, in
+    float32."""
+    scores = torch.cat([torch.einsum("hgd,hld->hgl", q.float(), k.float()) for q, k, _ in regions], dim=-1)
+    scores = scores * scaling
+    if valid is not None:
+        scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
-    return torch.einsum("hgl,hld->hgd", probs, v.float()).to(qs.dtype)
+    out, at = None, 0
+    for *_, v in regions:
+        n = v.shape[1]
+        part = torch.einsum("hgl,hld->hgd", probs[..., at : at + n], v.float())
+        out = part if out is None else out + part
+        at += n
+    return out.to(regions[0][0].dtype)
 
 
 class RemapDenseLayer(GrowingLayer):
@@ -199,12 +215,11 @@ class RemapDenseLayer(GrowingLayer):
         start = max(sink, n - self.window)  # the window's first row
         H, d = self._k.shape[1], query.shape[-1]
         q = query[0, :, 0].reshape(H, -1, d)
-        keys = torch.cat([self.keys[0, :, :sink], self.keys[0, :, start:]], dim=1)
-        values = torch.cat([self.values[0, :, :sink], self.values[0, :, start:]], dim=1)
+        k, v = self.keys[0], self.values[0]
         window = n - start  # this step's token included
         qs = self.remap.query_regions(q, n - 1, window + sink - 1, window)
-        valid = torch.ones((H, keys.shape[1]), dtype=torch.bool, device=query.device)
-        out = remap_decode(qs, keys, values, valid, sink, sink, scale)
+        out = attend_regions([(qs[0], k[:, :sink], v[:, :sink]), (qs[2], k[:, start:], v[:, start:])],
+                             None, scale)
         return out.reshape(1, 1, -1, d)
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
