@@ -23,6 +23,8 @@ def evaluate(
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
     n: Annotated[int, typer.Option("--n", min=1, help="Cases (passkey: depths; fidelity: documents) per cell.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the generated cases.")] = 0,
+    depths: Annotated[str, typer.Option("--depths", help="passkey, niah_single: needle depths in percent, a list (0,50,100) or a range FROM:TO:STEP; spread over the --n cases of a cell.")] = "0:95:5",
+    plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the length x depth picture of the needle tasks as a PNG (needs the plot extra: matplotlib).", show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="fidelity: tokens full generates per document.")] = 160,
     data: Annotated[str | None, typer.Option("--data", help="gsm8k: JSONL of GSM8K problems (question, answer with '#### N'); longbench: JSONL of context, question, answers.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for results.jsonl and config.json; a rerun resumes.", show_default=False)] = None,
@@ -64,19 +66,33 @@ def evaluate(
             if data is None:
                 raise UsageError(f"--tasks {needs_data[0]} needs --data PATH (a JSONL file)")
             (gsm8k if needs_data[0] == "gsm8k" else longbench).load(data)  # fail now, not after hours
+        from icecache.evals.passkey import parse_depths
+
+        try:
+            depth_list = parse_depths(depths)
+        except ValueError as exc:
+            raise UsageError(f"--depths: {exc}") from None
+        if plot is not None:
+            from .picture import check_plot_available
+
+            check_plot_available()
+            if not (plot.parent if str(plot.parent) else Path(".")).is_dir():
+                raise UsageError(f"--plot: folder {plot.parent} does not exist")
         if out is not None and out.exists() and not out.is_dir():
             raise UsageError(f"--out: {out} exists and is not a folder")
         all_cells = runner.cells(task_list, method_list, budget_list, length_list)
         config = {"tasks": task_list, "methods": method_list, "budgets": budget_list,
                   "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
-                  "data": data, "settings": settings.__dict__, "model": model or "embedded"}
+                  "data": data, "settings": settings.__dict__, "model": model or "embedded",
+                  "depths": depth_list}
         if out is not None:
             runner.check_resumable(out, config)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(config, indent=1))
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
-        ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data)
+        ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data,
+                              depths=depth_list)
         rows = []
         for i, cell in enumerate(all_cells):
             if cell.key() in done:
@@ -90,8 +106,18 @@ def evaluate(
             rows.append(row)
             rep.progress("cells", i + 1, len(all_cells))
         rep.close()
+        from icecache.evals.grid import depth_grids
+
+        from .picture import print_grids, write_plot
+
+        grids = depth_grids(rows)
         if not quiet:
             print_table(rows)
+            print_grids(grids)
+        if plot is not None:
+            write_plot(grids, plot)
+            if not quiet:
+                stderr.print(f"picture written to {plot}", soft_wrap=True)
         if as_json:
             emit(json.dumps({"results": [
                 {k: r[k] for k in ("task", "method", "budget", "length", "n", "score") if k in r}

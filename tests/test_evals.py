@@ -58,11 +58,18 @@ def test_cells_and_resume(tmp_path):
 
 
 def test_eval_command_json_and_resume(tmp_path):
+    png = tmp_path / "picture.png"
     args = ["eval", "--tasks", "passkey", "--methods", "full,ice", "--budgets", "64", "--lengths", "400",
-            "--n", "2", "--out", str(tmp_path), "--json"]
+            "--n", "2", "--out", str(tmp_path), "--json", "--depths", "10,90", "--plot", str(png)]
     r = run_cli(args)
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    saved = [json.loads(x) for x in (tmp_path / "results.jsonl").read_text().splitlines()]
+    assert all(x["depths"] == [0.1, 0.9] for x in saved)
+    # the picture: one grid per method, a row per depth, in the terminal and as a PNG
+    err = r.stderr.decode()
+    assert "passkey · full" in err and "passkey · ice @ 64" in err and "10%" in err and "90%" in err
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert {(x["method"], x["budget"]) for x in rows} == {("full", 0), ("ice", 64)}
     assert all(x["n"] == 2 and 0 <= x["score"] <= 1 for x in rows)
     assert json.loads((tmp_path / "config.json").read_text())["n"] == 2
@@ -74,6 +81,57 @@ def test_eval_command_json_and_resume(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["n"] == 2
     bad = run_cli(["eval", "--tasks", "ruler", "--n", "1"])
     assert bad.returncode == 2 and "unknown task 'ruler'" in bad.stderr.decode()
+    for depths, why in (("0:95", "not a list of percents"), ("0,120", "from 0 to 100")):
+        bad = run_cli(["eval", "--depths", depths, "--n", "1"])
+        assert bad.returncode == 2 and why in bad.stderr.decode()
+
+
+def test_eval_plot_without_matplotlib(tmp_path):
+    """Without the plot extra, --plot is one clear error before any work."""
+    fake = tmp_path / "site" / "matplotlib"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('not installed')\n")
+    r = run_cli(["eval", "--n", "1", "--lengths", "300", "--plot", str(tmp_path / "p.png")],
+                env={"PYTHONPATH": str(tmp_path / "site")})
+    assert r.returncode == 2
+    assert "--plot needs matplotlib: pip install 'icecache[plot]'" in r.stderr.decode()
+    assert not (tmp_path / "p.png").exists()
+
+
+def test_depth_spread_and_parse():
+    sweep = passkey.parse_depths("0:95:5")
+    assert len(sweep) == 20 and sweep[0] == 0 and sweep[-1] == 0.95
+    assert passkey.parse_depths("50, 0,100,50") == [0, 0.5, 1.0]
+    assert passkey.spread(20, sweep) == sweep  # every depth once
+    assert passkey.spread(40, sweep) == sweep + sweep
+    assert passkey.spread(3, sweep) == [0, 0.5, 0.95]  # both ends and the middle
+    assert passkey.spread(1, sweep) == [0]
+    assert passkey.spread(3) == [0, 0.5, 1.0]  # no list: evenly over 0..1
+    for bad in ("", "a,b", "0:95:0", "-5,10", "0:95"):
+        with pytest.raises(ValueError):
+            passkey.parse_depths(bad)
+
+
+def test_depth_grids():
+    from icecache.evals.grid import depth_grids
+
+    rows = [
+        {"task": "passkey", "method": "ice", "budget": 64, "length": 2048, "detail": [1, 0, 1],
+         "depths": [0.0, 0.5, 0.0]},
+        {"task": "passkey", "method": "ice", "budget": 64, "length": 1024, "detail": [1.0, 1.0],
+         "depths": [0.0, 0.95]},
+        {"task": "passkey", "method": "full", "budget": 0, "length": 1024, "detail": [0.0],
+         "depths": [0.5]},
+        {"task": "vt", "method": "ice", "budget": 64, "length": 1024, "detail": [1.0]},  # no depths
+    ]
+    grids = {(g.method, g.budget): g for g in depth_grids(rows)}
+    assert set(grids) == {("ice", 64), ("full", 0)}
+    g = grids["ice", 64]
+    assert g.lengths == [1024, 2048] and g.depths == [0.0, 0.5, 0.95]
+    assert g.cells == [[1.0, 1.0], [None, 0.0], [1.0, None]]
+    assert g.counts == [[1, 2], [0, 1], [1, 0]]
+    assert g.overall == pytest.approx(4 / 5)
+    assert grids["full", 0].cells == [[0.0]] and grids["full", 0].title == "passkey · full"
 
 
 def test_check_resumable(tmp_path):

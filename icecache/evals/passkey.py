@@ -39,10 +39,45 @@ def make_case(tokenizer, tokens: int, depth: float, seed: int) -> PasskeyCase:
                        tokens=len(tokenizer(prompt)["input_ids"]))
 
 
-def cases(tokenizer, tokens: int, n: int, seed: int = 0) -> list[PasskeyCase]:
-    """``n`` cases at evenly spread depths (0 .. 1), keys drawn from ``seed``."""
-    depths = [i / max(1, n - 1) for i in range(n)]
-    return [make_case(tokenizer, tokens, d, seed * 1000 + i) for i, d in enumerate(depths)]
+def spread(n: int, depths: list[float] | None = None) -> list[float]:
+    """The depth of each of ``n`` cases.
+
+    Without ``depths``: evenly spread over 0 .. 1. With a list (the paper's sweep is 0, 0.05, ...,
+    0.95): ``n`` at least its length cycles through it, so every depth gets ``n // len`` or one
+    more cases; a smaller ``n`` takes ``n`` depths evenly spread over the list, both ends included.
+    """
+    if not depths:
+        return [i / max(1, n - 1) for i in range(n)]
+    m = len(depths)
+    if n >= m:
+        return [depths[i % m] for i in range(n)]
+    return [depths[round(i * (m - 1) / max(1, n - 1))] for i in range(n)]
+
+
+def parse_depths(text: str) -> list[float]:
+    """``--depths``: percents, comma-separated (``0,25,50``) or a range ``FROM:TO:STEP``
+    (``0:95:5``, both ends included). Returns fractions of 1, in order, without repeats."""
+    text = text.strip()
+    try:
+        if ":" in text:
+            lo, hi, step = (float(x) for x in text.split(":"))
+            if step <= 0:
+                raise ValueError
+            count = int((hi - lo) / step + 1e-9) + 1
+            values = [lo + i * step for i in range(count)]
+        else:
+            values = [float(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise ValueError(f"'{text}' is not a list of percents (0,50,100) or a range (0:95:5)") from None
+    if not values or any(not 0 <= v <= 100 for v in values):
+        raise ValueError(f"'{text}': depths are percents from 0 to 100")
+    return sorted({round(v / 100, 6) for v in values})
+
+
+def cases(tokenizer, tokens: int, n: int, seed: int = 0,
+          depths: list[float] | None = None) -> list[PasskeyCase]:
+    """``n`` cases at the depths of :func:`spread`, keys drawn from ``seed``."""
+    return [make_case(tokenizer, tokens, d, seed * 1000 + i) for i, d in enumerate(spread(n, depths))]
 
 
 def score(output: str, answer: str) -> float:

@@ -31,6 +31,7 @@ class Case:
     prompt: str
     expected: tuple[str, ...]
     tokens: int
+    depth: float | None = None  # niah_single: where its needle sits (0 .. 1)
 
 
 def score(output: str, expected) -> float:
@@ -63,9 +64,12 @@ def _number(rng) -> str:
     return str(int(rng.integers(1_000_000, 9_999_999)))
 
 
-def make(task: str, tokenizer, tokens: int, index: int, n: int, seed: int) -> Case:
+def make(task: str, tokenizer, tokens: int, index: int, n: int, seed: int,
+         depth: float | None = None) -> Case:
+    """Case ``index`` of ``n``; niah_single's needle at ``depth`` (default: evenly spread)."""
     rng = np.random.default_rng([seed, index, TASKS.index(task)])
-    depth = index / max(1, n - 1)
+    if depth is None:
+        depth = index / max(1, n - 1)
     if task in ("niah_single", "niah_multikey", "niah_multivalue"):
         key = _key(rng)
         if task == "niah_multivalue":
@@ -117,8 +121,14 @@ def make(task: str, tokenizer, tokens: int, index: int, n: int, seed: int) -> Ca
         expected = sorted(vocab, key=lambda w: -freq[w])[:3]
     else:
         raise ValueError(f"unknown task {task}")
-    return Case(prompt, tuple(expected), len(tokenizer(prompt)["input_ids"]))
+    return Case(prompt, tuple(expected), len(tokenizer(prompt)["input_ids"]),
+                depth if task == "niah_single" else None)
 
 
-def cases(task: str, tokenizer, tokens: int, n: int, seed: int = 0) -> list[Case]:
-    return [make(task, tokenizer, tokens, i, n, seed) for i in range(n)]
+def cases(task: str, tokenizer, tokens: int, n: int, seed: int = 0,
+          depths: list[float] | None = None) -> list[Case]:
+    """``n`` cases; niah_single's needles at :func:`passkey.spread` depths."""
+    from .passkey import spread
+
+    at = spread(n, depths) if task == "niah_single" else [None] * n
+    return [make(task, tokenizer, tokens, i, n, seed, at[i]) for i in range(n)]

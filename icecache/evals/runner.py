@@ -66,8 +66,10 @@ def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int
 
 class Evaluator:
     def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
-                 log: Callable[[str], None] = lambda _m: None, data: str | None = None):
+                 log: Callable[[str], None] = lambda _m: None, data: str | None = None,
+                 depths: list[float] | None = None):
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        self.depths = depths  # passkey and niah_single: needle depths (None: evenly spread)
         self.data = data
         self.new_tokens = new_tokens
         self.log = log
@@ -114,7 +116,7 @@ class Evaluator:
         return {"score": sum(f1s) / len(f1s), "n": len(f1s), "rouge_l": sum(rouges) / len(rouges)}
 
     def _ruler(self, cell: Cell) -> dict:
-        cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed)
+        cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed, self.depths)
         return self._generated(cell, cases, NEW_TOKENS[cell.task], lambda out, c: ruler.score(out, c.expected))
 
     def _prefilled(self, cell: Cell, i: int, ids: list[int]) -> Prefilled:
@@ -144,10 +146,14 @@ class Evaluator:
             else:
                 out, _ = session.generate_from(self._prefilled(cell, i, ids), new_tokens)
             scores.append(score(tok.decode(out), case))
-        return {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
+            self.log(f"  case {i + 1}/{len(cases)}: {scores[-1]:g}")
+        row = {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
+        if getattr(cases[0], "depth", None) is not None:
+            row["depths"] = [c.depth for c in cases]  # for the length x depth picture
+        return row
 
     def _passkey(self, cell: Cell) -> dict:
-        cases = passkey.cases(self.loaded.tokenizer, cell.length, self.n, self.seed)
+        cases = passkey.cases(self.loaded.tokenizer, cell.length, self.n, self.seed, self.depths)
         return self._generated(cell, cases, 8, lambda out, c: passkey.score(out, c.answer))
 
     def _fidelity(self, cell: Cell) -> dict:
@@ -164,7 +170,7 @@ class Evaluator:
 
 
 # What a finished cell's score depends on besides its own (task, method, budget, length).
-CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model")
+CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model", "depths")
 
 
 def check_resumable(out: Path, config: dict) -> None:
