@@ -214,6 +214,29 @@ class Session:
         return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
 
     @torch.inference_mode()
+    def fork(self, settings: Settings) -> Session:
+        """A session decoding this prefilled (not yet decoding) session's prompt under
+        ``settings``, which may differ from this session's in the budget only: a copy of the
+        cache (:meth:`IceCache.forked`). ``ValueError`` where the budget shaped the prefill."""
+        if settings.replace(budget=self.settings.budget) != self.settings:
+            raise ValueError("a fork may change the budget only")
+        if self.run_settings is None or not hasattr(self.cache, "forked"):
+            raise ValueError(f"method {self.method} has no prefilled cache to fork")
+        twin = Session(self.loaded, settings, self.method)
+        twin.cache = self.cache.forked(settings.budget_pages)
+        twin.cached_ids = list(self.cached_ids)
+        twin.new_tokens = self.new_tokens
+        twin.run_settings = self.run_settings.replace(budget=settings.budget)
+        return twin
+
+    @torch.inference_mode()
+    def decode(self, logits: torch.Tensor, max_new_tokens: int,
+               stats: GenerationStats | None = None) -> tuple[list[int], GenerationStats]:
+        """The greedy continuation after :meth:`prefill` (whose logits start it)."""
+        stats = stats or GenerationStats(tokens_in=len(self.cached_ids))
+        return self._decode(logits, max_new_tokens, stats, None, 1.0)
+
+    @torch.inference_mode()
     def prefill(self, ids: list[int], on_progress: Progress | None = None):
         """Bring the cache to prompt ``ids`` (reusing a cached prefix where it can); return the
         logits at the last prompt position and the stats so far."""

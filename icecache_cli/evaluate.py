@@ -99,7 +99,7 @@ def evaluate(
                 rows.append(done[cell.key()])
                 continue
             rep.info(f"[{i + 1}/{len(all_cells)}] {cell.task} {cell.method} budget {cell.budget or '-'} length {cell.length}")
-            result = ev.run(cell)
+            result = ev.run(cell, [c for c in all_cells[i + 1:] if c.key() not in done])
             row = {"task": cell.task, "method": cell.method, "budget": cell.budget,
                    "length": cell.length, **result}
             runner.append(out, row)

@@ -230,3 +230,54 @@ def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
     assert sparse.beyond_trained(loaded.context_length, 10) is None
     assert notes == [f"full prefill, remap positions ({loaded.context_length} prompt tokens, "
                      f"{loaded.context_length} trained)"]
+
+
+@pytest.mark.parametrize("method,positions", [("ice", "true"), ("ice", "remap"), ("ice-reuse", "true")])
+def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions):
+    """One sparse prefill, forked to other budgets (what eval does per case): each fork's greedy
+    tokens equal those of a session that prefilled with that budget itself, and the forks do not
+    disturb the prefilled session or each other."""
+    from icecache.generation import Session
+    from icecache.textgen import generated_text
+
+    tok = loaded.tokenizer
+    ids = tok(generated_text(900, seed=11))["input_ids"][:1400]
+    base = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256, dense_window=512,
+                                positions=positions)
+    want = {}
+    for budget in (32, 128):
+        s = Session(loaded, base.replace(budget=budget), method)
+        want[budget] = s.generate(ids, 24)[0]
+    assert want[32] != want[128]  # the budget matters here, so equality below means something
+    session = Session(loaded, base.replace(budget=128), method)
+    session.new_tokens = 24
+    logits, _ = session.prefill(ids)
+    assert session.positions == positions
+    twin = session.fork(base.replace(budget=32))
+    assert twin.decode(logits.clone(), 24)[0] == want[32]
+    again = session.fork(base.replace(budget=128))  # the fork left the prefilled session as it was
+    assert again.decode(logits.clone(), 24)[0] == want[128]
+    assert session.decode(logits, 24)[0] == want[128]
+    with pytest.raises(ValueError, match="only a prefilled cache"):
+        session.fork(base.replace(budget=32))  # it decoded since
+    with pytest.raises(ValueError, match="budget only"):
+        Session(loaded, base, method).fork(base.replace(budget=32, sink_pages=1))
+
+
+def test_fork_refused_where_the_budget_shaped_the_prefill(cpu_settings, loaded):
+    """A full prefill sizes the pool by the budget, SnapKV's index holds one budget's choice:
+    forking either would not be exact, so it is refused."""
+    from icecache.generation import Session
+
+    ids = loaded.tokenizer("The harbor report. " * 60)["input_ids"]
+    full = cpu_settings.replace(chunk_size=256, prefill="full", budget=64)
+    s = Session(loaded, full, "ice")
+    s.new_tokens = 4
+    s.prefill(ids)
+    with pytest.raises(ValueError, match="pool size"):
+        s.fork(full.replace(budget=32))
+    snap = Session(loaded, full, "snapkv")
+    snap.new_tokens = 4
+    snap.prefill(ids)
+    with pytest.raises(ValueError):
+        snap.fork(full.replace(budget=32))

@@ -13,6 +13,9 @@ head_dim x 2 (keys and values) x dtype size, whatever the context length.
 
 from __future__ import annotations
 
+import copy
+import dataclasses
+
 import torch
 from transformers.cache_utils import Cache
 
@@ -74,6 +77,28 @@ class IceCache(Cache):
         for layer in self.ice_layers():
             layer.offload_prompt()
         self.stats.reset_step_counters()
+
+    def forked(self, budget_pages: int) -> IceCache:
+        """A deep copy of this prefilled cache that decodes with ``budget_pages`` pages per head.
+
+        Exact (the copy decodes as a cache prefilled with that budget would) when the budget did
+        not shape the prefill: the prompt is offloaded, nothing was decoded yet, the prefill's
+        pool size is the same under both budgets, and no selector's index holds a choice made for
+        one budget (SnapKV's votes). ``ValueError`` otherwise.
+        """
+        spec = dataclasses.replace(self.spec, budget_pages=budget_pages)
+        layers = self.ice_layers()
+        if spec.pool_pages != self.spec.pool_pages or spec.budget_pages * self.spec.budget_pages == 0:
+            raise ValueError("the budget shaped the prefill (pool size); prefill again")
+        if any(not layer.offloaded or layer.length != layer.prompt_tokens for layer in layers):
+            raise ValueError("only a prefilled cache that has not decoded can be forked")
+        if any(layer.selector is not None and layer.selector.budget_in_index for layer in layers):
+            raise ValueError("the page index holds a choice made for one budget; prefill again")
+        twin = copy.deepcopy(self)
+        twin.spec = spec
+        for layer in twin.ice_layers():
+            layer.rebudget(spec)
+        return twin
 
     # -- what it holds ----------------------------------------------------------------------------
     def dense_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:

@@ -223,6 +223,16 @@ class IceLayer(CacheLayerMixin):
         self.wait()
         self.resident = self.resident.resized(self.spec.budget_pages, self.spec.window_slack)
 
+    def rebudget(self, spec) -> None:
+        """Decode with ``spec`` (another budget) from here on: an empty pool of its size
+        (:meth:`IceCache.forked` checks that this is exact)."""
+        self.wait()
+        self.spec = spec
+        if self.selector is not None:
+            self.selector.spec = spec
+        self.resident = self.resident.resized(spec.budget_pages, spec.window_slack)
+        self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
+
     def wait(self) -> None:
         """Finish this layer's background work (re-raising its error, if any)."""
         if self._job is None:

@@ -76,8 +76,16 @@ class Evaluator:
         self._refs: dict[int, list] = {}
         self._group: tuple | None = None
         self._pre: dict[int, Prefilled] = {}
+        self._siblings: list[Cell] = []
+        self._ahead: dict[tuple, dict] = {}  # rows computed with an earlier cell's group
 
-    def run(self, cell: Cell) -> dict:
+    def run(self, cell: Cell, siblings: list[Cell] | tuple = ()) -> dict:
+        """Score ``cell``. ``siblings``: cells still to run; those of the same task, method and
+        length may be computed now from the same prefills (then returned when asked for)."""
+        ahead = self._ahead.pop(cell.key(), None)
+        if ahead is not None:
+            return ahead
+        self._siblings = list(siblings)
         if cell.task == "passkey":
             return self._passkey(cell)
         if cell.task == "fidelity":
@@ -133,24 +141,67 @@ class Evaluator:
         return pre
 
     def _generated(self, cell: Cell, cases, new_tokens: int, score) -> dict:
-        """Each case's prompt, from its shared prefill, decoded by the cell's method; scored."""
+        """Each case's prompt, from its shared prefill, decoded by the cell's method; scored.
+
+        Under a sparse prefill (each method's own), the pending cells of the same task, method
+        and length with other budgets (:meth:`run`'s ``siblings``) decode from copies of one
+        prefill per case where that is exact and fits in memory (:meth:`Session.fork`); their
+        rows are kept for when they are asked for.
+        """
         tok = self.loaded.tokenizer
-        settings = _settings(self.settings, cell)
-        scores = []
+        group = [cell] + [c for c in self._siblings
+                          if c.key() != cell.key() and (c.task, c.method, c.length) == (cell.task, cell.method, cell.length)]
+        scores: dict[tuple, list[float]] = {c.key(): [] for c in group}
         for i, case in enumerate(cases):
             ids = tok(case.prompt)["input_ids"]
-            session = Session(self.loaded, settings, cell.method)
+            settings = _settings(self.settings, cell)
             if methods_.prefill_mode(cell.method, self.loaded.model, settings, len(ids)) == "sparse":
-                # each method's own (sparse) prefill
-                out, _ = session.generate(ids, new_tokens)
+                outs = self._sparse_group(group, ids, new_tokens)
             else:
-                out, _ = session.generate_from(self._prefilled(cell, i, ids), new_tokens)
-            scores.append(score(tok.decode(out), case))
-            self.log(f"  case {i + 1}/{len(cases)}: {scores[-1]:g}")
-        row = {"score": sum(scores) / len(scores), "n": len(scores), "detail": scores}
-        if getattr(cases[0], "depth", None) is not None:
-            row["depths"] = [c.depth for c in cases]  # for the length x depth picture
-        return row
+                session = Session(self.loaded, settings, cell.method)
+                outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids), new_tokens)[0]}
+            for key, out in outs.items():
+                scores[key].append(score(tok.decode(out), case))
+            self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
+                f"{scores[c.key()][-1]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
+                for c in group if c.key() in outs))
+        rows = {}
+        for c in group:
+            got = scores[c.key()]
+            if len(got) != len(cases):
+                continue  # not computed with this group: runs on its own
+            row = {"score": sum(got) / len(got), "n": len(got), "detail": got}
+            if getattr(cases[0], "depth", None) is not None:
+                row["depths"] = [x.depth for x in cases]  # for the length x depth picture
+            rows[c.key()] = row
+        for key, row in rows.items():
+            if key != cell.key():
+                self._ahead[key] = row
+        return rows[cell.key()]
+
+    def _sparse_group(self, group: list[Cell], ids: list[int], new_tokens: int) -> dict[tuple, list[int]]:
+        """``ids`` prefilled once (sparse) and decoded under each cell's budget: forks of the
+        prefilled session while exact and within memory, the session itself for the last."""
+        from ..memory import available_bytes, need_bytes, shortfall
+
+        first = _settings(self.settings, group[0])
+        session = Session(self.loaded, first, group[0].method)
+        session.new_tokens = new_tokens
+        logits, _ = session.prefill(ids)
+        outs: dict[tuple, list[int]] = {}
+        need = need_bytes(group[0].method, self.loaded.model.config, session.run_settings,
+                          len(ids) + new_tokens)
+        for c in group[1:]:
+            if shortfall(need, available_bytes(first)) is not None:
+                break
+            try:
+                twin = session.fork(_settings(self.settings, c))
+            except ValueError:
+                break
+            outs[c.key()] = twin.decode(logits.clone(), new_tokens)[0]
+            del twin
+        outs[group[0].key()] = session.decode(logits, new_tokens)[0]
+        return outs
 
     def _passkey(self, cell: Cell) -> dict:
         cases = passkey.cases(self.loaded.tokenizer, cell.length, self.n, self.seed, self.depths)

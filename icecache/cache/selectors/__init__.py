@@ -33,6 +33,7 @@ class PageSelector(Protocol):
 
     indexed: bool  # False: selects nothing, keeps no index (the pool has no slots)
     waits_for_queries: bool  # needs the prompt's last queries before the prompt is offloaded
+    budget_in_index: bool  # its index holds a choice made for one budget (no IceCache.forked)
 
     def observe(self, queries: torch.Tensor) -> None:
         """The prompt's queries at a prefill chunk (query heads, chunk, head_dim)."""

@@ -32,6 +32,7 @@ class HeadIndexes:
     name = ""
     indexed = True
     waits_for_queries = False
+    budget_in_index = False  # True: the index was built for one budget (no fork to another)
 
     def __init__(self, spec: IceSpec):
         self.spec = spec

@@ -71,6 +71,7 @@ def snap_votes(obs_q, keys, sink: int, mid: int, scale: float):
 
 @register("snapkv")
 class SnapKVSelector(HeadIndexes):
+    budget_in_index = True  # the votes chose budget_pages pages per head at build
     """Keeps the prompt's last ``spec.observation`` queries (:meth:`observe`) until the prompt
     is offloaded; those queries' votes choose the ``budget_pages`` pages of every head."""
 

@@ -12,6 +12,7 @@ from .base import register
 class StreamingSelector:
     indexed = False
     waits_for_queries = False
+    budget_in_index = False
 
     def __init__(self, spec):
         self.spec = spec
