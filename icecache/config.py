@@ -68,6 +68,9 @@ class Settings:
     # Positions past the trained context: "remap" gives every attended token a distance the model
     # was trained on, "true" keeps true distances, "auto" remaps when a run outgrows the context.
     positions: str = "auto"
+    # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
+    # dynamic or yarn; with one set, positions stay true (the scaling handles them).
+    rope_scaling: str = "none"
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -143,6 +146,12 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("dense_window", "must be > 0")
     if s.positions not in POSITIONS:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
+    from .rope import SCALINGS
+
+    if s.rope_scaling not in SCALINGS:
+        raise bad("rope_scaling", f"must be one of {', '.join(SCALINGS)}")
+    if s.rope_scaling != "none" and s.positions == "remap":
+        raise bad("rope_scaling", "and positions: remap exclude each other (remap keeps the model's own RoPE)")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     edges = (s.sink_pages + s.window_pages) * s.page_size

@@ -92,16 +92,19 @@ class Prefilled:
 
 @torch.inference_mode()
 def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observation: int = 32,
-                 on_progress: Progress | None = None) -> Prefilled:
+                 on_progress: Progress | None = None, new_tokens: int = 0) -> Prefilled:
     """The chunked full-attention prefill of ``ids`` that every method's own prefill computes.
 
     Every method prefills with full attention (the sparse ones change decoding only), so one
     prefill serves them all: each then starts from a copy of these keys and values. The last
-    ``observation`` queries of each layer are kept for SnapKV.
+    ``observation`` queries of each layer are kept for SnapKV. ``new_tokens``: the generation to
+    come (with ``rope_scaling``, the RoPE is chosen for prompt + generation, as a session does).
     """
     from .cache import DenseCache, record
+    from .methods import set_rope
 
     model = loaded.model
+    set_rope(model, settings, len(ids) + new_tokens)
     name = record.register()
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
@@ -162,7 +165,7 @@ class Session:
         for this run (``run_settings``)."""
         self.run_settings = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens,
                                      self.new_tokens)
-        return make_cache(self.method, self.loaded.model, self.run_settings)
+        return make_cache(self.method, self.loaded.model, self.run_settings, prompt_tokens + self.new_tokens)
 
     @property
     def positions(self) -> str:

@@ -134,11 +134,24 @@ def attention_name(method: Method) -> str:
     return attention.register(method.cache)
 
 
-def prepare_model(method: str, model: Any, settings: Settings | None = None) -> None:
-    """Select the attention implementation ``method`` needs (the model is shared by runs)."""
+def prepare_model(method: str, model: Any, settings: Settings | None = None, tokens: int = 0) -> None:
+    """Select the attention implementation ``method`` needs and, with ``settings``, the RoPE of a
+    run of ``tokens`` (prompt + generation; ``rope_scaling``): the model is shared by runs."""
     name = attention_name(get(method))
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
+    if settings is not None:
+        set_rope(model, settings, tokens)
+
+
+def set_rope(model: Any, settings: Settings, tokens: int) -> None:
+    """The model's RoPE for a run of ``tokens`` under ``settings.rope_scaling`` (:mod:`.rope`)."""
+    from . import rope
+
+    try:
+        rope.apply(model, settings.rope_scaling, tokens)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def positions(method: str, model: Any, settings: Settings, tokens: int) -> str:
@@ -146,10 +159,10 @@ def positions(method: str, model: Any, settings: Settings, tokens: int) -> str:
     RoPE positions (``settings.positions``; only the paged methods can remap)."""
     from .cache.positions import RopeFrame, choose
 
-    if get(method).cache != "paged":
+    if get(method).cache != "paged" or settings.rope_scaling != "none":
         if settings.positions == "remap":
             raise UsageError(f"positions: remap works with the paged methods, not '{method}'")
-        return "true"
+        return "true"  # (a RoPE scaling handles long runs in its own way)
     try:
         return choose(settings.positions, RopeFrame.from_model(model), tokens)
     except ValueError as exc:
@@ -187,7 +200,9 @@ def prefill_mode(method: str, model: Any, settings: Settings, prompt_tokens: int
 
 
 def plan_run(method: str, model: Any, settings: Settings, prompt_tokens: int, new_tokens: int) -> Settings:
-    """``settings`` with the prefill mode and positions decided for one run (no ``auto`` left)."""
+    """``settings`` with the prefill mode and positions decided for one run (no ``auto`` left);
+    the model's RoPE set for it (``rope_scaling``)."""
+    set_rope(model, settings, prompt_tokens + new_tokens)
     return settings.replace(prefill=prefill_mode(method, model, settings, prompt_tokens),
                             positions=positions(method, model, settings, prompt_tokens + new_tokens))
 
@@ -197,7 +212,7 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
     it decides ``positions: auto``) under ``method``."""
     m = get(method)
     check_prefill(method, settings)
-    prepare_model(method, model, settings)
+    prepare_model(method, model, settings, tokens)
     layers = model.config.num_hidden_layers
     if m.cache == "paged":
         from .cache import IceCache

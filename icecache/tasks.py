@@ -66,7 +66,7 @@ def context_limit(settings: Settings, trained: int | None, method: str = "full")
     from .methods import get
 
     sparse = settings.prefill == "sparse" or (settings.prefill == "auto" and get(method).sparse_prefill)
-    if sparse or not trained:
+    if sparse or not trained or settings.rope_scaling != "none":
         return settings.max_context
     return min(trained, settings.max_context)
 
@@ -107,9 +107,10 @@ class Runner:
         total = prompt_tokens + max_new_tokens
         plan = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens, max_new_tokens)
         if self.note:
-            self.note(f"{plan.prefill} prefill, {plan.positions} positions ({prompt_tokens} prompt tokens, "
-                      f"{self.loaded.context_length} trained)")
-        if total <= self.loaded.context_length or plan.positions == "remap":
+            scaled = f", RoPE {plan.rope_scaling}" if plan.rope_scaling != "none" else ""
+            self.note(f"{plan.prefill} prefill, {plan.positions} positions{scaled} ({prompt_tokens} prompt "
+                      f"tokens, {self.loaded.context_length} trained)")
+        if total <= self.loaded.context_length or plan.positions == "remap" or plan.rope_scaling != "none":
             return None
         return (f"{total} tokens go past the {self.loaded.context_length} positions "
                 f"{self.loaded.name} was trained on; expect weaker output there")

@@ -29,6 +29,8 @@ def evaluate(
     data: Annotated[str | None, typer.Option("--data", help="gsm8k: JSONL of GSM8K problems (question, answer with '#### N'); longbench: JSONL of context, question, answers.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for results.jsonl and config.json; a rerun resumes.", show_default=False)] = None,
     prefill: Annotated[str | None, typer.Option("--prefill", help="full (one shared prefill per case) or sparse (each method's own sparse prefill; ice, ice-reuse, streaming, quest). Default: the profile's.", show_default=False)] = None,
+    positions: Annotated[str | None, typer.Option("--positions", help="RoPE positions past the trained context: remap, true or auto. Default: the profile's.", show_default=False)] = None,
+    rope_scaling: Annotated[str | None, typer.Option("--rope-scaling", help="RoPE scaling past the trained context: none, linear, dynamic or yarn (e.g. for full). Default: the profile's.", show_default=False)] = None,
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk. Default: the profile's.", show_default=False)] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
@@ -46,7 +48,8 @@ def evaluate(
             if t not in runner.TASKS:
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
-        settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size)
+        settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
+                                    rope_scaling=rope_scaling)
         for m in method_list:
             check_prefill(m, settings)
         budget_list = []

@@ -50,6 +50,9 @@ PrefillOpt = _profile_setting(str, "--prefill", about=(
 PositionsOpt = _profile_setting(str, "--positions", about=(
     "RoPE positions past the model's trained context: remap (every attended token at a distance "
     "the model knows), true, or auto (remap when prompt + generation outgrow it)."))
+RopeScalingOpt = _profile_setting(str, "--rope-scaling", about=(
+    "RoPE scaling for a run past the trained context: none, linear, dynamic (NTK) or yarn "
+    "(transformers' own; positions stay true). The peer of --positions remap."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
@@ -78,6 +81,7 @@ class RunOptions:
     reuse_every: ReuseOpt = None
     prefill: PrefillOpt = None
     positions: PositionsOpt = None
+    rope_scaling: RopeScalingOpt = None
     chunk_size: ChunkOpt = None
     pipeline: PipelineOpt = None
     as_json: JsonOpt = False
@@ -87,7 +91,8 @@ class RunOptions:
     def flags(self) -> dict:
         """The settings given as flags (``None``: the profile's)."""
         return dict(budget=self.budget, reuse_every=self.reuse_every, prefill=self.prefill,
-                    chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions)
+                    chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions,
+                    rope_scaling=self.rope_scaling)
 
 
 @dataclass

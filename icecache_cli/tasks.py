@@ -212,6 +212,7 @@ def final_stats(result: TaskResult, cache, settings, session=None) -> dict:
         "method": result.method,
         "prefill": session.prefill_mode if session is not None else settings.prefill,
         "positions": session.positions if session is not None else None,
+        "rope_scaling": settings.rope_scaling,
         "prompt_tokens": result.tokens_in,
         "prefill_s": round(pre_s, 3),
         "prefill_tok_s": round(pre_tok / pre_s, 1) if pre_s else None,

@@ -127,7 +127,7 @@ class Evaluator:
         cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed, self.depths)
         return self._generated(cell, cases, NEW_TOKENS[cell.task], lambda out, c: ruler.score(out, c.expected))
 
-    def _prefilled(self, cell: Cell, i: int, ids: list[int]) -> Prefilled:
+    def _prefilled(self, cell: Cell, i: int, ids: list[int], new_tokens: int) -> Prefilled:
         """Case ``i``'s prompt prefilled once for every method and budget of its task and length.
 
         Cells run task by task, length by length, so only the current group's prefills are kept.
@@ -137,7 +137,7 @@ class Evaluator:
             self._group, self._pre = group, {}
         pre = self._pre.get(i)
         if pre is None or pre.ids != ids:
-            pre = self._pre[i] = prefill_once(self.loaded, self.settings, ids)
+            pre = self._pre[i] = prefill_once(self.loaded, self.settings, ids, new_tokens=new_tokens)
         return pre
 
     def _generated(self, cell: Cell, cases, new_tokens: int, score) -> dict:
@@ -159,7 +159,7 @@ class Evaluator:
                 outs = self._sparse_group(group, ids, new_tokens)
             else:
                 session = Session(self.loaded, settings, cell.method)
-                outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids), new_tokens)[0]}
+                outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
             for key, out in outs.items():
                 scores[key].append(score(tok.decode(out), case))
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
