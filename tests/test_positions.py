@@ -233,3 +233,40 @@ def test_sparse_prefill_gives_the_prompt_end_a_chunk_of_its_own():
     assert chunk_bounds(0, 9, 4, tail=1) == [(0, 4), (4, 8), (8, 9)]
     assert chunk_bounds(2, 5, 4, tail=8) == [(2, 5)]  # shorter than the tail: one chunk
     assert chunk_bounds(0, 4100, 2048, tail=32) == [(0, 2048), (2048, 4068), (4068, 4100)]
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_placed_keys_decode_equals_the_region_reference(rope):
+    """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
+    the fused attention with the query at its true position) equals the reference that rotates
+    the query per region (remap_decode), with token-order offsets per head."""
+    from icecache.cache.paged import paged_decode_sdpa
+    from icecache.cache.positions import ordered_offsets, place_keys
+
+    model = llama(ROPES[rope])
+    frame = RopeFrame.from_model(model)
+    torch.manual_seed(5)
+    H, G, d, s_cap, s, P, W = 3, 3, 32, 6, 4, 16, 7
+    pos, D = 50_000, 8
+    L = s_cap + P + W
+    raw = torch.randn(H, L, d)
+    win_pos = torch.arange(pos - W + 1, pos + 1)
+    k = torch.cat([model_rope(model, raw[:, :s_cap], torch.arange(s_cap)), raw[:, s_cap : s_cap + P],
+                   model_rope(model, raw[:, s_cap + P :], win_pos)], dim=1)
+    v = torch.randn(H, L, d)
+    valid = torch.zeros(H, L, dtype=torch.bool)
+    valid[:, :s] = True
+    valid[:, s_cap : s_cap + P] = torch.rand(H, P) > 0.3
+    valid[:, s_cap + P :] = True
+    rows = torch.randperm(1000)[: H * P].reshape(H, P).numpy()  # host rows of the pool slots
+    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy())
+    q = model_rope(model, torch.randn(H * G, 1, d), torch.tensor([pos]))[:, 0].reshape(H, G, d)
+    placed = place_keys(frame, k, s, s_cap, s_cap + P, pos - D, offset, count)
+    got = paged_decode_sdpa(q, placed, v, valid, 0.125)
+    # reference: queries per region (sink at D + count + s - 1 - j, pool rows at D + offset)
+    cos, sin = frame.back_table(P)
+    pool_k = frame.rotate_by(k[:, s_cap : s_cap + P], cos[offset], sin[offset])
+    qs = Remap(frame, D).query_regions(q, pos, D + count + s - 1, D)
+    want = remap_decode(qs, k, v, valid, s_cap, s_cap + P, 0.125, pool_k)
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
+    assert torch.equal(placed[:, s_cap + P :], k[:, s_cap + P :])  # the window untouched

@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backend import TorchBackend
 from .host_store import HostStore
 from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa
-from .positions import Remap, ordered_offsets, remap_decode
+from .positions import Remap, ordered_offsets, place_keys
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
 from .spec import IceSpec, StepStats
@@ -266,16 +266,10 @@ class IceLayer(CacheLayerMixin):
         if self.remap is None:
             out = paged_decode_sdpa(q, k, v, valid, scale)
         else:
-            pool_k, block = None, 1  # block: positions the pages take
-            if self.remap.pages == "ordered":  # the loaded rows in token order beyond the window
-                pool = slice(r.pool_at, r.window_at)
-                offset, block = ordered_offsets(r.pool_row, r.valid[:, pool])
-                cos, sin = self.remap.frame.back_table(offset.shape[1])
-                pool_k = self.remap.frame.rotate_by(k[:, pool], cos[offset], sin[offset])
-            # the sink just before the pages: its last token one position before their first
-            qs = self.remap.query_regions(q, self.length - 1, page_distance + block + r.sink_fill - 1,
-                                          page_distance)
-            out = remap_decode(qs, k, v, valid, r.pool_at, r.window_at, scale, pool_k)
+            # the pages end just beyond the window, the sink just before them: the keys are placed
+            # there (one rotation) and the query stays at its true position
+            k = self._placed(k, self.length - 1 - page_distance)
+            out = paged_decode_sdpa(q, k, v, valid, scale)
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
 
@@ -299,28 +293,22 @@ class IceLayer(CacheLayerMixin):
         self.load()
         k, v, valid = r.tensors()
         if self.remap is not None:
-            k = self._place_for_chunk(k, pages_at)
+            k = self._placed(k, pages_at)
         out = paged_chunk_sdpa(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
         self.after_chunk()
         return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
 
-    def _place_for_chunk(self, k: torch.Tensor, pages_at: int) -> torch.Tensor:
+    def _placed(self, k: torch.Tensor, pages_at: int) -> torch.Tensor:
         """A copy of the resident keys with the pool rows (un-rotated) placed to end at
         ``pages_at`` (in token order, or all there) and the sink just before them."""
-        frame, r = self.remap.frame, self.resident
-        H, s, d = self.heads, r.sink_fill, self.head_dim
+        r = self.resident
         pool = slice(r.pool_at, r.window_at)
-        k = k.clone()
         if self.remap.pages == "ordered":
             offset, count = ordered_offsets(r.pool_row, r.valid[:, pool])
-            n = offset.shape[1]
-            k[:, pool] = frame.rotate(k[:, pool].reshape(H * n, d), 0, (pages_at - offset).reshape(-1)).reshape(H, n, d)
-        else:
-            k[:, pool] = frame.rotate(k[:, pool], 0, pages_at)
-            count = torch.ones(H, dtype=torch.int64)  # one position for all the pages
-        sink_to = (pages_at - count - s + 1)[:, None] + torch.arange(s)[None, :]  # (H, s): just before
-        k[:, :s] = frame.rotate(k[:, :s].reshape(H * s, d), torch.arange(s).repeat(H), sink_to.reshape(-1)).reshape(H, s, d)
-        return k
+        else:  # one position for all the pages
+            offset = torch.zeros(self.heads, r.window_at - r.pool_at, dtype=torch.int64)
+            count = torch.ones(self.heads, dtype=torch.int64)
+        return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
     def select(self, q: torch.Tensor, pages: int | None = None) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *

@@ -17,9 +17,9 @@ rotated at position ``a`` becomes the key at ``b`` by one more rotation by ``b -
 inverse frequencies (Llama 3, YaRN and linear scaling only change the frequencies; YaRN's
 attention scaling multiplies cos and sin once and is not applied again). So offloaded keys are
 stored un-rotated (a position-free frame, which the index searches too); a decode step rotates
-its query for the sink and the window and a copy of the loaded rows by their token-order offsets
-(:func:`remap_decode`; the resident rows themselves never change), and a sparse-prefill chunk
-rotates copies of the resident sink and page rows.
+a copy of the resident sink and pool rows to their places (:func:`place_keys`, one rotation;
+the resident rows themselves never change) and attends with its query at its true position, as
+a sparse-prefill chunk does. :func:`remap_decode` is the plain reference (a query per region).
 
 Angles are computed as transformers computes them (float32 ``position x inv_freq``), and a
 rotation from ``a`` to ``b`` uses the float64 difference of those angles, so un-rotating a key
@@ -90,8 +90,15 @@ class RopeFrame:
     def rotate(self, x: torch.Tensor, src, dst) -> torch.Tensor:
         """``x`` (..., n, head_dim) rotated from positions ``src`` to ``dst`` (per row or one
         for all rows); channels past ``rotary_dim`` are left as they are."""
-        cos, sin = self.rotation(src, dst, x.device)
+        if isinstance(src, int) and isinstance(dst, int):  # one rotation for all: every layer of a step
+            cos, sin = self._one_rotation(src, dst, str(x.device))
+        else:
+            cos, sin = self.rotation(src, dst, x.device)
         return self.rotate_by(x, cos, sin)
+
+    @functools.lru_cache(maxsize=16)  # noqa: B019  (the layers of one decode step share it)
+    def _one_rotation(self, src: int, dst: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotation(src, dst, device)
 
     @functools.lru_cache(maxsize=8)  # noqa: B019  (a few frames per process, kept for their run)
     def back_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,6 +156,24 @@ class Remap:
         sink_q = self.frame.rotate(flat, pos, sink_at.expand(q.shape[0], group).reshape(-1))
         pool_q = self.frame.rotate(flat, pos, distance)
         return torch.stack([sink_q.reshape(q.shape), pool_q.reshape(q.shape), q])
+
+
+def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, window_at: int,
+               pages_at: int, offset: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+    """A copy of resident keys ``k`` (H, L, d) with the pool rows (stored un-rotated) placed to
+    end at position ``pages_at``, row ``i`` of a head at ``pages_at - offset[h, i]``, and the sink
+    (stored at its true positions) just before the head's ``count[h]`` pool positions; the window
+    rows (from ``window_at``) as they are. One rotation for all the rows it moves."""
+    H, _, d = k.shape
+    n = window_at
+    src = torch.zeros(H, n, dtype=torch.int64)
+    dst = torch.empty(H, n, dtype=torch.int64)
+    j = torch.arange(pool_at)
+    src[:, :pool_at] = j
+    dst[:, :pool_at] = (pages_at - count - sink_fill + 1)[:, None] + j  # (rows past the fill: unused)
+    dst[:, pool_at:] = pages_at - offset
+    moved = frame.rotate(k[:, :n].reshape(H * n, d), src.reshape(-1), dst.reshape(-1)).reshape(H, n, d)
+    return torch.cat([moved, k[:, n:]], dim=1)
 
 
 def ordered_offsets(rows, valid) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,8 +242,10 @@ class RemapDenseLayer(GrowingLayer):
         q = query[0, :, 0].reshape(H, -1, d)
         k, v = self.keys[0], self.values[0]
         window = n - start  # this step's token included
-        qs = self.remap.query_regions(q, n - 1, window + sink - 1, window)
-        out = attend_regions([(qs[0], k[:, :sink], v[:, :sink]), (qs[2], k[:, start:], v[:, start:])],
+        # the sink just before the window: its query rotated to that distance (one rotation
+        # for every layer of the step), the window's query as it is
+        sink_q = self.remap.frame.rotate(q.reshape(-1, d), n - 1, window + sink - 1).reshape(q.shape)
+        out = attend_regions([(sink_q, k[:, :sink], v[:, :sink]), (q, k[:, start:], v[:, start:])],
                              None, scale)
         return out.reshape(1, 1, -1, d)
 
