@@ -98,13 +98,21 @@ class RopeFrame:
 
     @functools.lru_cache(maxsize=16)  # noqa: B019  (the layers of one decode step share it)
     def _one_rotation(self, src: int, dst: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.rotation(src, dst, device)
+        cos, sin = self.rotation(src, dst, device)
+        return cos.float(), sin.float()
 
     @functools.lru_cache(maxsize=8)  # noqa: B019  (a few frames per process, kept for their run)
     def back_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to 0, -1, ..., -(n-1)
         (a decode step places its loaded rows at these offsets; the table spares the trig)."""
         cos, sin = self.rotation(0, -torch.arange(n))
+        return cos.float(), sin.float()
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
+    def down_table(self, top: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to ``top``,
+        ``top - 1``, ..., ``top - n + 1``."""
+        cos, sin = self.rotation(0, top - torch.arange(n))
         return cos.float(), sin.float()
 
     def rotate_by(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -163,17 +171,22 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     """A copy of resident keys ``k`` (H, L, d) with the pool rows (stored un-rotated) placed to
     end at position ``pages_at``, row ``i`` of a head at ``pages_at - offset[h, i]``, and the sink
     (stored at its true positions) just before the head's ``count[h]`` pool positions; the window
-    rows (from ``window_at``) as they are. One rotation for all the rows it moves."""
+    rows (from ``window_at``) as they are.
+
+    No trigonometry per row: every moved row turns by a row of :meth:`RopeFrame.down_table`
+    (rotations from 0 to ``pages_at - i``, shared by the layers of a step): a pool row by row
+    ``offset``, a head's sink rows by row ``count + sink_fill - 1`` (from token ``j`` to
+    ``pages_at - count - sink_fill + 1 + j``)."""
     H, _, d = k.shape
-    n = window_at
-    src = torch.zeros(H, n, dtype=torch.int64)
-    dst = torch.empty(H, n, dtype=torch.int64)
-    j = torch.arange(pool_at)
-    src[:, :pool_at] = j
-    dst[:, :pool_at] = (pages_at - count - sink_fill + 1)[:, None] + j  # (rows past the fill: unused)
-    dst[:, pool_at:] = pages_at - offset
-    moved = frame.rotate(k[:, :n].reshape(H * n, d), src.reshape(-1), dst.reshape(-1)).reshape(H, n, d)
-    return torch.cat([moved, k[:, n:]], dim=1)
+    cos_t, sin_t = frame.down_table(int(pages_at), window_at + 1)
+    idx = torch.empty(H, window_at, dtype=torch.int64)
+    idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
+    idx[:, pool_at:] = offset
+    flat = idx.view(-1)
+    r = cos_t.shape[1]
+    cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
+    moved = frame.rotate_by(k[:, :window_at], cos, sin)
+    return torch.cat([moved, k[:, window_at:]], dim=1)
 
 
 def ordered_offsets(rows, valid) -> tuple[torch.Tensor, torch.Tensor]:
