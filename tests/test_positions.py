@@ -264,7 +264,7 @@ def test_placed_keys_decode_equals_the_region_reference(rope):
     placed = place_keys(frame, k, s, s_cap, s_cap + P, pos - D, offset, count)
     got = paged_decode_sdpa(q, placed, v, valid, 0.125)
     # reference: queries per region (sink at D + count + s - 1 - j, pool rows at D + offset)
-    cos, sin = frame.back_table(P)
+    cos, sin = frame.down_table(0, P)  # rotations from 0 to 0, -1, ..., -(P-1)
     pool_k = frame.rotate_by(k[:, s_cap : s_cap + P], cos[offset], sin[offset])
     qs = Remap(frame, D).query_regions(q, pos, D + count + s - 1, D)
     want = remap_decode(qs, k, v, valid, s_cap, s_cap + P, 0.125, pool_k)

@@ -88,7 +88,7 @@ class IceCache(Cache):
         """
         spec = dataclasses.replace(self.spec, budget_pages=budget_pages)
         layers = self.ice_layers()
-        if spec.pool_pages != self.spec.pool_pages or spec.budget_pages * self.spec.budget_pages == 0:
+        if spec.pool_pages != self.spec.pool_pages or 0 in (spec.budget_pages, self.spec.budget_pages):
             raise ValueError("the budget shaped the prefill (pool size); prefill again")
         if any(not layer.offloaded or layer.length != layer.prompt_tokens for layer in layers):
             raise ValueError("only a prefilled cache that has not decoded can be forked")

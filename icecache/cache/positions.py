@@ -101,13 +101,6 @@ class RopeFrame:
         cos, sin = self.rotation(src, dst, device)
         return cos.float(), sin.float()
 
-    @functools.lru_cache(maxsize=8)  # noqa: B019  (a few frames per process, kept for their run)
-    def back_table(self, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to 0, -1, ..., -(n-1)
-        (a decode step places its loaded rows at these offsets; the table spares the trig)."""
-        cos, sin = self.rotation(0, -torch.arange(n))
-        return cos.float(), sin.float()
-
     @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
     def down_table(self, top: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to ``top``,
