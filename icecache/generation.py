@@ -63,20 +63,25 @@ def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) 
     return logits
 
 
-def chunk_bounds(lo: int, hi: int, chunk: int, tail: int = 0) -> list[tuple[int, int]]:
-    """Prefill chunks of tokens ``lo .. hi-1``: ``chunk`` tokens each, and with ``tail`` the last
-    ``tail`` tokens a chunk of their own.
+def chunk_bounds(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
+    """Prefill chunks of tokens ``lo .. hi-1``, ``chunk`` tokens each (the last may be shorter)."""
+    return [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
 
-    In a sparse prefill a chunk's pages are chosen by a few of its positions; the prompt's end
-    (the question, the instruction) gives the first answer token's logits, so it chooses its
-    pages itself (a 16k passkey was found by the decode steps' selection but missed by the last
-    chunk's, which was chosen mostly by filler positions).
+
+def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
+    """How many of a prompt's last tokens a prefill runs one at a time, as decode steps.
+
+    In a sparse prefill a chunk's pages are chosen by a few of its positions, so the prompt's
+    end (the question, the instruction, whose last position gives the first answer token) would
+    see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
+    through the decode step instead, each choosing its own pages: in 32k passkey cases that the
+    chunked tail missed, the same tokens as decode steps found the key (docs/results.md,
+    session 8). A full prefill attends to everything and needs none. At least one token is
+    left to the chunks.
     """
-    cut = hi - tail if 0 < tail < hi - lo else hi
-    out = [(a, min(a + chunk, cut)) for a in range(lo, cut, chunk)]
-    if cut < hi:
-        out.append((cut, hi))
-    return out
+    if prefill != "sparse":
+        return 0
+    return max(0, min(2 * prefill_queries, tokens - 1))
 
 
 @dataclass
@@ -134,6 +139,9 @@ class Session:
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.new_tokens = 0  # the generation room of the current run (positions: auto reads it)
         self.run_settings: Settings | None = None  # settings with this run's choices made
+        # what prefill() left to finish_prefill(): prompt tokens for decode steps, the prompt's
+        # token count, the progress callback and the chunks' last logits
+        self._pending: tuple[list[int], int, Callable, torch.Tensor | None] | None = None
         # on_token(tokens so far, stats): called with [] when a generation starts and after each
         # new token (the live panel and streamed text read it).
         self.on_token: Callable[[list[int], GenerationStats], None] | None = None
@@ -230,6 +238,9 @@ class Session:
         twin.cached_ids = list(self.cached_ids)
         twin.new_tokens = self.new_tokens
         twin.run_settings = self.run_settings.replace(budget=settings.budget)
+        if self._pending is not None:  # prompt tokens still to step through, under its budget
+            tokens, total, report, logits = self._pending
+            twin._pending = (list(tokens), total, report, None if logits is None else logits.clone())
         return twin
 
     @torch.inference_mode()
@@ -240,9 +251,13 @@ class Session:
         return self._decode(logits, max_new_tokens, stats, None, 1.0)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], on_progress: Progress | None = None):
+    def prefill(self, ids: list[int], on_progress: Progress | None = None, hold_tail: bool = False):
         """Bring the cache to prompt ``ids`` (reusing a cached prefix where it can); return the
-        logits at the last prompt position and the stats so far."""
+        logits at the last prompt position and the stats so far.
+
+        A sparse prefill runs the prompt's last tokens as decode steps (:func:`tail_steps`).
+        ``hold_tail``: stop before them and return ``None`` logits; :meth:`finish_prefill` runs
+        them (a :meth:`fork` taken in between runs them under its own budget)."""
         if not ids:
             raise ValueError("empty prompt")
         stats = GenerationStats(tokens_in=len(ids))
@@ -251,17 +266,36 @@ class Session:
         stats.tokens_prefilled = len(ids) - start
         t0 = time.perf_counter()
         run = self.run_settings
-        tail = 2 * run.prefill_queries if run.prefill == "sparse" else 0
+        cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids) - start)
         logits = None
         if hasattr(self.cache, "begin_prefill"):
-            self.cache.begin_prefill(len(ids) - start)
-        for lo, hi in chunk_bounds(start, len(ids), run.chunk_size, tail):
+            self.cache.begin_prefill(cut - start)
+        for lo, hi in chunk_bounds(start, cut, run.chunk_size):
             logits = self.forward(ids[lo:hi])
             report("prefill", hi - start, len(ids) - start)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0
-        return logits, stats
+        self._pending = (list(ids[cut:]), len(ids) - start, report, logits)
+        if hold_tail:
+            return None, stats
+        return self.finish_prefill(stats), stats
+
+    @torch.inference_mode()
+    def finish_prefill(self, stats: GenerationStats | None = None) -> torch.Tensor:
+        """Run the prompt tokens :meth:`prefill` left for decode steps; return the logits at the
+        last prompt position."""
+        if self._pending is None:
+            raise ValueError("no prefill to finish")
+        tokens, total, report, logits = self._pending
+        self._pending = None
+        t0 = time.perf_counter()
+        for j, token in enumerate(tokens):
+            logits = self.forward([token])
+            report("prefill", total - len(tokens) + j + 1, total)
+        if stats is not None:
+            stats.prefill_seconds += time.perf_counter() - t0
+        return logits
 
     def _decode(self, logits, max_new_tokens: int, stats: GenerationStats,
                 on_progress: Progress | None, repetition_penalty: float):

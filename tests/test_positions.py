@@ -225,14 +225,40 @@ def test_remap_with_room_for_every_page_equals_full(sparse):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
 
 
-def test_sparse_prefill_gives_the_prompt_end_a_chunk_of_its_own():
-    from icecache.generation import chunk_bounds
+def test_sparse_prefill_steps_through_the_prompt_end():
+    from icecache.generation import chunk_bounds, tail_steps
 
     assert chunk_bounds(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
-    assert chunk_bounds(0, 10, 4, tail=3) == [(0, 4), (4, 7), (7, 10)]
-    assert chunk_bounds(0, 9, 4, tail=1) == [(0, 4), (4, 8), (8, 9)]
-    assert chunk_bounds(2, 5, 4, tail=8) == [(2, 5)]  # shorter than the tail: one chunk
-    assert chunk_bounds(0, 4100, 2048, tail=32) == [(0, 2048), (2048, 4068), (4068, 4100)]
+    assert chunk_bounds(3, 5, 4) == [(3, 5)]
+    assert tail_steps("sparse", 16, 5000) == 32
+    assert tail_steps("sparse", 16, 20) == 19  # one token at least goes through the chunks
+    assert tail_steps("full", 16, 5000) == 0
+
+
+def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded):
+    """The prompt's last tokens reach the cache one at a time (each a decode step choosing its
+    own pages), the rest in chunks; the logits are those of the last prompt token either way."""
+    from icecache.generation import Session, tail_steps
+    from icecache.textgen import generated_text
+
+    ids = loaded.tokenizer(generated_text(600, seed=3))["input_ids"][:900]
+    settings = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256,
+                                    dense_window=512, budget=64, prefill_queries=4)
+    sizes = []
+    s = Session(loaded, settings, "ice")
+    real = s.forward
+    s.forward = lambda part: (sizes.append(len(part)), real(part))[1]
+    s.new_tokens = 4
+    logits, stats = s.prefill(ids)
+    steps = tail_steps("sparse", 4, len(ids))
+    assert steps == 8 and sizes[-steps:] == [1] * steps and min(sizes[:-steps]) > 1
+    assert sum(sizes) == len(ids) == len(s.cached_ids) and stats.tokens_prefilled == len(ids)
+    held = Session(loaded, settings, "ice")
+    held.new_tokens = 4
+    assert held.prefill(ids, hold_tail=True)[0] is None and len(held.cached_ids) == len(ids) - steps
+    torch.testing.assert_close(held.finish_prefill(), logits)
+    with pytest.raises(ValueError, match="no prefill to finish"):
+        held.finish_prefill()
 
 
 @pytest.mark.parametrize("rope", ["default", "llama3"])

@@ -251,13 +251,13 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
     assert want[32] != want[128]  # the budget matters here, so equality below means something
     session = Session(loaded, base.replace(budget=128), method)
     session.new_tokens = 24
-    logits, _ = session.prefill(ids)
-    assert session.positions == positions
-    twin = session.fork(base.replace(budget=32))
-    assert twin.decode(logits.clone(), 24)[0] == want[32]
+    logits, _ = session.prefill(ids, hold_tail=True)  # the prompt's last tokens not stepped yet
+    assert logits is None and session.positions == positions
+    twin = session.fork(base.replace(budget=32))  # steps the tail under its own budget
+    assert twin.decode(twin.finish_prefill(), 24)[0] == want[32]
     again = session.fork(base.replace(budget=128))  # the fork left the prefilled session as it was
-    assert again.decode(logits.clone(), 24)[0] == want[128]
-    assert session.decode(logits, 24)[0] == want[128]
+    assert again.decode(again.finish_prefill(), 24)[0] == want[128]
+    assert session.decode(session.finish_prefill(), 24)[0] == want[128]
     with pytest.raises(ValueError, match="only a prefilled cache"):
         session.fork(base.replace(budget=32))  # it decoded since
     with pytest.raises(ValueError, match="budget only"):
