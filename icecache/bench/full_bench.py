@@ -66,8 +66,9 @@ def release_current_cache() -> None:
 
 
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
-             max_seconds: float | None, on_step=None) -> BenchRow:
-    """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there."""
+             max_seconds: float | None, on_step=None, resident_peak: int = 0) -> BenchRow:
+    """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there.
+    ``resident_peak``: the most KV the session held during its prefill, if known (CPU)."""
     cuda = torch.cuda.is_available() and session.loaded.model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -91,7 +92,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = r.tt2t_s, r.tpot_ms, r.tpot_p90_ms
     row.device_kv_bytes, row.host_kv_bytes = r.device_kv_bytes, r.host_kv_bytes
     row.peak_device_bytes = (torch.cuda.max_memory_allocated() if cuda
-                             else max(resident_before, r.device_kv_bytes))
+                             else max(resident_before, resident_peak, r.device_kv_bytes))
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     return row
 
@@ -148,14 +149,17 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         log(f"sparse prefill of {ctx} tokens (ice) ...")
         session = Session(loaded, settings.replace(prefill="sparse"), "ice")
         with PeakRss() as peak:
-            logits, stats = session.prefill(ids, on_progress)
+            _, stats = session.prefill(ids, on_progress, hold_tail=True)
+            # the chunks' pool and window are resident until the prompt's stepped end shrinks them
+            chunk_resident = kv_bytes(session.cache, settings.dense_layers)[0]
+            logits = session.finish_prefill(stats)
         source = "sparse prefill (ice)"
         if "ice" in methods:
             row = BenchRow("ice", ctx, kv_source="own sparse prefill",
                            prefill_tok_s=len(ids) / stats.prefill_seconds)
             log(f"ice at {ctx} tokens: decoding ...")
             rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds,
-                                 on_step))
+                                 on_step, resident_peak=chunk_resident))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
             emit(rows[-1])
         todo = [m for m in methods if m != "ice"]
