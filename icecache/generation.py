@@ -74,10 +74,10 @@ def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
     In a sparse prefill a chunk's pages are chosen by a few of its positions, so the prompt's
     end (the question, the instruction, whose last position gives the first answer token) would
     see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
-    through the decode step instead, each choosing its own pages: in 32k passkey cases that the
-    chunked tail missed, the same tokens as decode steps found the key (docs/results.md,
-    session 8). A full prefill attends to everything and needs none. At least one token is
-    left to the chunks.
+    through the decode step instead, each choosing its own pages (as many as a chunk selects,
+    whatever the decode budget): in 32k passkey cases that the chunked tail missed, the same
+    tokens as decode steps found the key (docs/results.md, sessions 8 and 9). A full prefill
+    attends to everything and needs none. At least one token is left to the chunks.
     """
     if prefill != "sparse":
         return 0
@@ -269,7 +269,7 @@ class Session:
         cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids) - start)
         logits = None
         if hasattr(self.cache, "begin_prefill"):
-            self.cache.begin_prefill(cut - start)
+            self.cache.begin_prefill(cut - start, tail=len(ids) - cut)
         for lo, hi in chunk_bounds(start, cut, run.chunk_size):
             logits = self.forward(ids[lo:hi])
             report("prefill", hi - start, len(ids) - start)

@@ -235,11 +235,22 @@ def test_sparse_prefill_steps_through_the_prompt_end():
     assert tail_steps("full", 16, 5000) == 0
 
 
-def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded):
-    """The prompt's last tokens reach the cache one at a time (each a decode step choosing its
-    own pages), the rest in chunks; the logits are those of the last prompt token either way."""
+def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monkeypatch):
+    """The prompt's last tokens reach the cache one at a time (each a decode step choosing as
+    many pages as a chunk), the rest in chunks; the logits are those of the last prompt token
+    either way; generated tokens select the decode budget."""
+    from icecache.cache.ice_layer import IceLayer
     from icecache.generation import Session, tail_steps
     from icecache.textgen import generated_text
+
+    asked = []  # (layer, query rows, pages) of every selection
+    real_select = IceLayer.select
+
+    def spy(layer, q, pages=None):
+        asked.append((layer.layer_idx, q.shape[0], layer.spec.budget_pages if pages is None else pages))
+        return real_select(layer, q, pages)
+
+    monkeypatch.setattr(IceLayer, "select", spy)
 
     ids = loaded.tokenizer(generated_text(600, seed=3))["input_ids"][:900]
     settings = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256,
@@ -253,6 +264,14 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded):
     steps = tail_steps("sparse", 4, len(ids))
     assert steps == 8 and sizes[-steps:] == [1] * steps and min(sizes[:-steps]) > 1
     assert sum(sizes) == len(ids) == len(s.cached_ids) and stats.tokens_prefilled == len(ids)
+    first = min(layer for layer, _, _ in asked)
+    mine = [(rows, pages) for layer, rows, pages in asked if layer == first]
+    heads = loaded.model.config.num_attention_heads
+    steps_asked = [pages for rows, pages in mine if rows == heads]
+    assert steps_asked == [256 // 16] * steps  # the tail: a chunk's pages (prefill_budget 256)
+    s.decode(logits, 3)
+    decoded = [pages for layer, _, pages in asked if layer == first][len(mine):]
+    assert decoded and decoded == [64 // 16] * len(decoded)  # generated tokens: the budget
     held = Session(loaded, settings, "ice")
     held.new_tokens = 4
     assert held.prefill(ids, hold_tail=True)[0] is None and len(held.cached_ids) == len(ids) - steps

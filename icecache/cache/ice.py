@@ -59,11 +59,14 @@ class IceCache(Cache):
         return [layer for layer in self.layers if isinstance(layer, IceLayer)]
 
     # -- prefill ----------------------------------------------------------------------------------
-    def begin_prefill(self, tokens: int) -> None:
+    def begin_prefill(self, tokens: int, tail: int = 0) -> None:
         """The next ``tokens`` prompt tokens come in chunks: a layer whose last chunk has passed
-        can go to the host store and its index while the next layers compute."""
+        can go to the host store and its index while the next layers compute. The ``tail``
+        prompt tokens after them come one at a time (a sparse prefill's tail): they select
+        pages as a chunk does."""
         for layer in self.ice_layers():
             layer.prompt_tokens = layer.length + tokens
+            layer.tail_end = layer.prompt_tokens + tail
 
     def observe(self, layer_idx: int, queries: torch.Tensor) -> None:
         """Layer ``layer_idx``'s prompt-end queries (query heads, n, head_dim), from a prefill
@@ -90,7 +93,8 @@ class IceCache(Cache):
         layers = self.ice_layers()
         if spec.pool_pages != self.spec.pool_pages or 0 in (spec.budget_pages, self.spec.budget_pages):
             raise ValueError("the budget shaped the prefill (pool size); prefill again")
-        if any(not layer.offloaded or layer.length != layer.prompt_tokens for layer in layers):
+        if any(not layer.offloaded or not layer.prompt_tokens <= layer.length <= max(layer.prompt_tokens, layer.tail_end)
+               for layer in layers):
             raise ValueError("only a prefilled cache that has not decoded can be forked")
         if any(layer.selector is not None and layer.selector.budget_in_index for layer in layers):
             raise ValueError("the page index holds a choice made for one budget; prefill again")

@@ -59,6 +59,7 @@ class IceLayer(CacheLayerMixin):
         self.offloaded = False  # the prompt went to sink / host store / window: steps are paged
         self.length = 0  # tokens seen (sink + host store + window)
         self.prompt_tokens = 0  # the prompt's length once announced (IceCache.begin_prefill)
+        self.tail_end = 0  # the length after the prompt tokens a sparse prefill steps through
         self.heads = self.head_dim = 0
         self.store: HostStore | None = None
         self.resident: ResidentKV | None = None
@@ -92,8 +93,8 @@ class IceLayer(CacheLayerMixin):
             if self.resident.window_fill + n > self.resident.window_cap:
                 raise ValueError(f"a prefill chunk of {n} tokens exceeds the chunk size the cache "
                                  f"was set up for ({self.spec.chunk_tokens})")
-        elif self.resident.window_cap > self.spec.window_slack:
-            self._to_decode_pool()  # the first decode step after a sparse prefill
+        elif self.resident.window_cap > self.spec.window_slack and self.length >= self.tail_end:
+            self._to_decode_pool()  # the first decode step after a sparse prefill and its tail
         if n == 1:
             self.shed_window(keep_room=True)
         self.resident.append(key_states[0], value_states[0])
@@ -225,12 +226,14 @@ class IceLayer(CacheLayerMixin):
 
     def rebudget(self, spec) -> None:
         """Decode with ``spec`` (another budget) from here on: an empty pool of its size
-        (:meth:`IceCache.forked` checks that this is exact)."""
+        (:meth:`IceCache.forked` checks that this is exact). A sparse prefill's pool (still
+        the chunk's size, for the prompt's tail) shrinks at the first generated token instead."""
         self.wait()
         self.spec = spec
         if self.selector is not None:
             self.selector.spec = spec
-        self.resident = self.resident.resized(spec.budget_pages, spec.window_slack)
+        if self.resident.window_cap <= spec.window_slack:
+            self.resident = self.resident.resized(spec.budget_pages, spec.window_slack)
         self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
 
     def wait(self) -> None:
@@ -255,11 +258,12 @@ class IceLayer(CacheLayerMixin):
         H = self.heads
         q = query[:, 0].view(H, self.group(Hq), d)
         r = self.resident
+        pages = self.step_pages()
         if self.remap is None:
-            self.select(query[:, 0])
+            self.select(query[:, 0], pages)
         else:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
-            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance))
+            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
@@ -272,6 +276,14 @@ class IceLayer(CacheLayerMixin):
             out = paged_decode_sdpa(q, k, v, valid, scale)
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
+
+    def step_pages(self) -> int:
+        """Pages this decode step selects per KV head: a prompt token that a sparse prefill
+        steps through (its tail) selects as many as a prefill chunk, while the pool still has
+        the chunk's size; a generated token, the decode budget."""
+        if self.length <= self.tail_end and self.resident.pool_pages >= self.spec.prefill_pages:
+            return self.spec.prefill_pages
+        return self.spec.budget_pages
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads
