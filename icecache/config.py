@@ -54,6 +54,9 @@ class Settings:
     dense_layers: int = 2
     index_beam: int = 32  # DCI-tree nodes expanded per level in a decode-step query
     index_beam_frac: float = 0.001  # ... at least this share of the indexed keys (authors: 0.001)
+    # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
+    # direction) or "similar" (balanced k-means groups; nearest-sibling inserts; 2-means splits)
+    index_pages: str = "projection"
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -132,6 +135,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_beam", "must be >= 1")
     if not 0 <= s.index_beam_frac < 1:
         raise bad("index_beam_frac", "must be in [0, 1)")
+    if s.index_pages not in ("projection", "similar"):
+        raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:
         raise bad("reuse_every", "must be >= 1")
     if s.chunk_size <= 0 or s.chunk_size % s.page_size:

@@ -104,7 +104,8 @@ def ice_spec(settings: Settings, method: Method):
         window_tokens=settings.window_pages * settings.page_size,
         # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
         index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
-                          beam=settings.index_beam, beam_frac=settings.index_beam_frac),
+                          beam=settings.index_beam, beam_frac=settings.index_beam_frac,
+                          pages=settings.index_pages),
         selector=method.selector or "dci",
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",

@@ -167,6 +167,8 @@ def index(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
     beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
+    pages: Annotated[str, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
+                                       "projection, similar, or both comma-separated (same keys).")] = "projection",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -186,28 +188,33 @@ def index(
             if b <= 0 or b % settings.page_size:
                 raise UsageError(f"--budgets: {b} is not a positive multiple of {settings.page_size}")
         loaded = load_model(model, settings, log=rep.info)
-        cfg = IndexConfig(page_size=settings.page_size, beam=beam)
+        modes = [m.strip() for m in pages.split(",") if m.strip()]
+        for m in modes:
+            if m not in ("projection", "similar"):
+                raise UsageError(f"--pages: '{m}' is not projection or similar")
+        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=m) for m in modes]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
                           on_chunk=lambda done, total: rep.progress("capture", done, total))
             rep.close()
-            res = IndexBenchResult(keys=n, budgets=budget_list)
-            for layer in layer_ids:
-                rep.info(f"measuring layer {layer}")
-                run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
-                          settings.sink_pages, settings.window_pages, cfg)
-            summary = res.summary()
-            summary["config"] = dataclasses.asdict(cfg)
-            summary["layers"] = layer_ids
-            if not quiet:
-                print_table(summary)
-            if as_json:
-                emit(json.dumps(summary))
+            for cfg in configs:
+                res = IndexBenchResult(keys=n, budgets=budget_list)
+                for layer in layer_ids:
+                    rep.info(f"measuring layer {layer} ({cfg.pages} pages)")
+                    run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
+                              settings.sink_pages, settings.window_pages, cfg)
+                summary = res.summary()
+                summary["config"] = dataclasses.asdict(cfg)
+                summary["layers"] = layer_ids
+                if not quiet:
+                    print_table(summary)
+                if as_json:
+                    emit(json.dumps(summary))
 
 
 def print_table(s: dict) -> None:
-    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}", box=None)
+    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, {s['config']['pages']} pages", box=None)
     t.add_column("budget")
     methods = list(next(iter(s["attention_mass_by_budget"].values())))
     for m in methods:
@@ -221,6 +228,9 @@ def print_table(s: dict) -> None:
         f"query {q['ice']:.0f} us/head vs exact {q['exact']:.0f} us/head ({s['speedup_vs_exact']:.2f}x)  "
         f"build {s['build_us_per_key']:.2f} us/key  insert {s['insert_us_per_key']:.2f} us/key  "
         f"{s['bytes_per_key']:.0f} B/key", markup=False)
+    if s.get("page_fill"):
+        stderr.print("page fill (keys per page / page size): "
+                     + ", ".join(f"{m} {v:.3f}" for m, v in s["page_fill"].items()), markup=False)
 
 
 @bench_app.command("decode")

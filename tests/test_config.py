@@ -47,6 +47,7 @@ BAD_PROFILES = [
     ("cpu_threads: 5000\n", "key 'cpu_threads' must be between 0"),
     ("cpu_threads: -1\n", "key 'cpu_threads' must be between 0"),
     ("window_pages: 0\n", "key 'window_pages' must be >= 1"),
+    ("index_pages: kmeans\n", "key 'index_pages' must be 'projection' or 'similar'"),
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),
     ("dtype: int8\n", "key 'dtype' must be one of float32"),
     ("host_dtype: int8\n", "key 'host_dtype' must be one of auto, float32"),

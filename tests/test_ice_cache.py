@@ -31,9 +31,10 @@ def tiny_model(arch: str, kv_heads: int = 2):
     return model
 
 
-def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4, selector: str = "dci") -> IceSpec:
+def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4, selector: str = "dci",
+         pages: str = "projection") -> IceSpec:
     return IceSpec(page_size=page, budget_pages=budget_pages, sink_tokens=sink,
-                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1),
+                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1, pages=pages),
                    selector=selector)
 
 
@@ -64,15 +65,17 @@ def full_cache(model):
     return DynamicCache(config=model.config)
 
 
-@pytest.mark.parametrize("arch,kv_heads", [("llama", 2), ("llama", 4), ("mistral", 2), ("qwen2", 1), ("qwen3", 2)])
-def test_budget_covering_everything_equals_full(arch, kv_heads):
+@pytest.mark.parametrize("arch,kv_heads,pages", [("llama", 2, "projection"), ("llama", 4, "projection"),
+                                                 ("mistral", 2, "projection"), ("qwen2", 1, "projection"),
+                                                 ("qwen3", 2, "projection"), ("llama", 2, "similar")])
+def test_budget_covering_everything_equals_full(arch, kv_heads, pages):
     """With room for every page, ice decodes exactly like the dense cache, through evictions."""
     model = tiny_model(arch, kv_heads)
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 40).tolist()  # 40 steps: the window (8 + 4) evicts pages
     ref = run_steps(model, full_cache(model), prompt, forced)
-    cache = ice_cache(model, spec(budget_pages=256))
+    cache = ice_cache(model, spec(budget_pages=256, pages=pages))
     got = run_steps(model, cache, prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)

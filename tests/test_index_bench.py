@@ -39,9 +39,12 @@ def test_small_run_on_real_keys(loaded):
         assert (t["ice"] >= t["sink_window"] - 1e-9).all()
         # No selection of at most `budget` tokens beats the exact top tokens of that head.
         assert (t["exact_topk"] >= t["ice"] - 1e-6).all() and (t["exact_topk"] >= t["quest"] - 1e-6).all()
+        for name in ("kmeans_pages", "parent_pages", "kmeans_gqa"):  # the yardsticks, same rule
+            assert len(t[name]) == len(t["ice"]) and (t["exact_topk"] >= t[name] - 1e-6).all()
     assert np.mean(res.mass[128]["ice"]) >= np.mean(res.mass[64]["ice"])
     s = res.summary(128)
     assert 0 <= s["recall_at_64"] <= 1 and s["build_us_per_key"] > 0
+    assert set(s["page_fill"]) == {"tree", "kmeans", "parent"} and all(0 < v <= 1 for v in s["page_fill"].values())
 
 
 def test_capture_chunked_prefill_equals_one_shot(loaded):
@@ -59,3 +62,44 @@ def test_capture_chunked_prefill_equals_one_shot(loaded):
     assert c.keys[2].shape == a.keys[2].shape and c.queries[2].shape == a.queries[2].shape
     np.testing.assert_allclose(c.keys[2][:, :256], a.keys[2][:, :256], atol=1e-4)
     assert not np.allclose(c.keys[2][:, 300:], a.keys[2][:, 300:], atol=1e-3)
+
+
+def test_groupings_pages_are_bounded_and_exact():
+    from icecache.bench import groupings as g
+
+    rng = np.random.default_rng(4)
+    keys = rng.standard_normal((700, 8)).astype(np.float32)
+    rows = g.mips_rows(keys)
+    # the transform: every row has the same norm, and inner products with [q, 0] are kept
+    np.testing.assert_allclose(np.linalg.norm(rows, axis=1), np.linalg.norm(rows[0]), rtol=1e-5)
+    q = rng.standard_normal(8).astype(np.float32)
+    np.testing.assert_allclose(rows[:, :8] @ q, keys @ q, rtol=1e-5)
+    for page_of in (g.kmeans_pages(rows, 16), g.nearest_parent_pages(rows, 16, 16)):
+        sizes = np.bincount(page_of)
+        assert len(page_of) == 700 and sizes.min() >= 1 and sizes.max() <= 16  # no empty, none over
+        assert 0 < g.page_fill(page_of, 16) <= 1
+    # nearest-parent groups: each key sits with its exact best parent (one parent per group)
+    labels = np.argmax(rows @ rows[::16].T, axis=1)
+    page_of = g.nearest_parent_pages(rows, 16, 16)
+    for page in range(page_of.max() + 1):
+        assert len(set(labels[page_of == page].tolist())) == 1
+    # a group of 40 is cut into 3 runs of 13-14, in direction order
+    cut = g.cut_into_pages(np.zeros(40, np.int64), 16, np.arange(40.0)[::-1])
+    assert sorted(np.bincount(cut).tolist()) == [13, 13, 14] and cut[39] == 0
+
+
+def test_kmeans_lowers_its_objective_and_oracle_pages_rank_by_best_member():
+    from icecache.bench import groupings as g
+
+    rng = np.random.default_rng(5)
+    x = np.concatenate([rng.normal(c, 0.1, (50, 3)) for c in (-3, 0, 3)]).astype(np.float32)
+
+    def objective(labels):
+        return sum(((x[labels == j] - x[labels == j].mean(0)) ** 2).sum() for j in np.unique(labels))
+
+    one, ten = g.kmeans_labels(x, 3, iters=1, seed=1), g.kmeans_labels(x, 3, iters=10, seed=1)
+    assert objective(ten) <= objective(one) + 1e-6
+    assert objective(ten) < 0.05 * objective(np.zeros(150, np.int64))  # the three blobs found
+    page_of = np.array([0, 0, 1, 1, 2, 2])
+    scores = np.array([1.0, 5.0, 4.0, 4.5, -1.0, 6.0])
+    assert g.oracle_pages(page_of, scores, 2).tolist() == [2, 0]

@@ -14,12 +14,21 @@ import numpy as np
 import torch
 
 from icecache.index import DCITree, IndexConfig
+from icecache.index.select import merge_group_pages
 
+from . import groupings as groupings_mod
 from .warm import warm_tree
 
 # Per query head, each with the whole budget (the basis exact top-k has); ``ice_gqa``: the
 # group's page lists merged rank by rank into one budget per KV head (what the cache loads).
-METHODS = ("ice", "oracle_pages", "exact_topk", "quest", "sink_window", "ice_gqa")
+# ``oracle_pages``: the tree's pages chosen by their exact best member; ``kmeans_pages`` and
+# ``parent_pages``: the same keys grouped by k-means (one cluster per page) and by exact nearest
+# parent (one parent per page of keys), chosen the same way (``kmeans_gqa``: the group's lists
+# merged as the cache merges). The yardsticks are skipped above ``GROUPINGS_MAX`` keys (k-means
+# costs keys x clusters per iteration).
+METHODS = ("ice", "oracle_pages", "kmeans_pages", "parent_pages", "exact_topk", "quest", "sink_window",
+           "ice_gqa", "kmeans_gqa")
+GROUPINGS_MAX = 40_000
 
 
 @dataclass
@@ -35,6 +44,7 @@ class IndexBenchResult:
     insert_s: float = 0.0
     inserted_keys: int = 0
     index_bytes: int = 0
+    fill: dict[str, list[float]] = field(default_factory=dict)  # keys per page / page size
 
     def summary(self, budget: int = 256) -> dict:
         b = budget if budget in self.mass else self.budgets[-1]
@@ -43,10 +53,11 @@ class IndexBenchResult:
         return {
             "keys": self.keys,
             "budget": b,
-            "attention_mass": {m: float(np.mean(v)) for m, v in self.mass[b].items()},
+            "attention_mass": {m: float(np.mean(v)) for m, v in self.mass[b].items() if v},
             "attention_mass_by_budget": {
-                str(bb): {m: float(np.mean(v)) for m, v in d.items()} for bb, d in self.mass.items()
+                str(bb): {m: float(np.mean(v)) for m, v in d.items() if v} for bb, d in self.mass.items()
             },
+            "page_fill": {m: float(np.mean(v)) for m, v in self.fill.items()},
             "recall_at_64": float(np.mean(self.recall[64])),
             "recall_at_256": float(np.mean(self.recall[256])),
             "query_us_per_head": {"ice": ice_us, "exact": exact_us},
@@ -107,6 +118,14 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
         Mt = torch.from_numpy(M)
         page_of = tree.tok_page[: tree.n]
         live = tree.live_pages()
+        res.fill.setdefault("tree", []).append(len(M) / (len(live) * page_size))
+        groupings = {}
+        if len(M) <= GROUPINGS_MAX:
+            rows = groupings_mod.mips_rows(M)
+            groupings["kmeans_pages"] = groupings_mod.kmeans_pages(rows, page_size)
+            groupings["parent_pages"] = groupings_mod.nearest_parent_pages(rows, page_size, page_size)
+            for name, g in groupings.items():
+                res.fill.setdefault(name.removesuffix("_pages"), []).append(groupings_mod.page_fill(g, page_size))
         for step in range(steps):
             qs = queries[kvh * group : (kvh + 1) * group, step]
             probs = []
@@ -140,6 +159,11 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
                 merged = tree.select_group(qs, budget, P)  # the cache's own selection
                 gqa_tok = mid[np.isin(page_of, merged)]
+                chosen = {name: [groupings_mod.oracle_pages(g, sc, P) for sc in exact_scores]
+                          for name, g in groupings.items()}
+                if "kmeans_pages" in chosen:
+                    km_merged = merge_group_pages(chosen["kmeans_pages"], P)
+                    km_gqa = mid[np.isin(groupings["kmeans_pages"], km_merged)]
                 for r, p in enumerate(probs):
                     quest = quest_pages(M, qs[r], page_size, P)
                     q_tok = (np.concatenate([mid[g * page_size : (g + 1) * page_size] for g in quest])
@@ -150,6 +174,10 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     table["exact_topk"].append(_mass(p, fixed, mid[np.argsort(-exact_scores[r])[:budget]]))
                     table["sink_window"].append(_mass(p, fixed, mid[:0]))
                     table["ice_gqa"].append(_mass(p, fixed, gqa_tok))
+                    for name, g in groupings.items():
+                        table[name].append(_mass(p, fixed, mid[np.isin(g, chosen[name][r])]))
+                    if "kmeans_pages" in chosen:
+                        table["kmeans_gqa"].append(_mass(p, fixed, km_gqa))
 
 
 def tree_pages(ids: np.ndarray, page_of: np.ndarray, max_pages: int) -> np.ndarray:

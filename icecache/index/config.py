@@ -15,6 +15,10 @@ class IndexConfig:
     with at most this many points is searched exactly for parents, else with the tree.
     ``beam``: nodes expanded per level in a query (at least; ``beam_frac`` x n if larger).
     ``visit_frac``: share of an expanded node's children scored (nearest projections first).
+    ``pages``: how a node's children are cut into pages: ``projection`` (runs along a random
+    direction; a full page splits in half along it) or ``similar`` (balanced k-means groups at a
+    bulk build; a new child joins its nearest sibling's page; a full page splits by balanced
+    2-means).
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
@@ -33,8 +37,11 @@ class IndexConfig:
     visit_frac: float = 1.0
     parent_beam: int = 8
     shared_walk: bool = True
+    pages: str = "projection"
 
     def __post_init__(self):
+        if self.pages not in ("projection", "similar"):
+            raise ValueError("pages must be 'projection' or 'similar'")
         if self.promotion not in ("deterministic", "random"):
             raise ValueError("promotion must be 'deterministic' or 'random'")
         if not (0 < self.ratio_bottom < 1 and 0 < self.ratio_upper < 1):

@@ -35,6 +35,7 @@ class DCITree:
         self.cfg = config or IndexConfig()
         self.d = head_dim
         self.D = head_dim + 1
+        self._similar = self.cfg.pages == "similar"
         self.n = 0
         self.npages = 0
         self.top_level = -1
@@ -274,11 +275,11 @@ class DCITree:
             order = np.lexsort((self.proj[ids], parents))
             self.npages = kernels.attach_sorted(
                 ids[order].astype(np.int32), np.ascontiguousarray(rows[order]),
-                parents[order].astype(np.int32), *self._page_state(), self.npages)
+                parents[order].astype(np.int32), *self._page_state(), self.npages, self._similar)
             return
         npages, state = self.npages, self._page_state()
         for t, (i, p) in enumerate(zip(ids.tolist(), parents.tolist(), strict=True)):
-            npages = kernels.insert_child(i, rows[t], p, *state, npages)
+            npages = kernels.insert_child(i, rows[t], p, *state, npages, self._similar)
         self.npages = npages
 
     def _page_state(self) -> tuple:
