@@ -57,6 +57,9 @@ class Settings:
     # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
     # direction) or "similar" (balanced k-means groups; nearest-sibling inserts; 2-means splits)
     index_pages: str = "projection"
+    # how a GQA group shares its KV head's pages: "ranks" (interleaved rank by rank) or "mass"
+    # (the pages holding the most of the group's summed attention, estimated)
+    index_merge: str = "ranks"
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -64,6 +67,7 @@ class Settings:
     # prompt fits the model's trained context and the memory, sparse beyond (methods that can)
     prefill: str = "full"
     prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
+    tail_budget: int = 256  # sparse prefill: tokens of pages each prompt-end step selects per KV head
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
@@ -135,6 +139,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_beam", "must be >= 1")
     if not 0 <= s.index_beam_frac < 1:
         raise bad("index_beam_frac", "must be in [0, 1)")
+    if s.index_merge not in ("ranks", "mass"):
+        raise bad("index_merge", "must be 'ranks' or 'mass'")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:
@@ -145,6 +151,9 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill", f"must be one of {', '.join(PREFILL_MODES)}")
     if s.prefill_budget <= 0 or s.prefill_budget % s.page_size:
         raise bad("prefill_budget", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.tail_budget <= 0 or s.tail_budget % s.page_size or s.tail_budget > s.prefill_budget:
+        raise bad("tail_budget", f"must be a positive multiple of page_size ({s.page_size}), "
+                                 f"at most prefill_budget ({s.prefill_budget})")
     if s.prefill_queries < 1:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:

@@ -74,7 +74,7 @@ def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
     In a sparse prefill a chunk's pages are chosen by a few of its positions, so the prompt's
     end (the question, the instruction, whose last position gives the first answer token) would
     see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
-    through the decode step instead, each choosing its own pages (as many as a chunk selects,
+    through the decode step instead, each choosing its own pages (``tail_budget`` tokens of them,
     whatever the decode budget): in 32k passkey cases that the chunked tail missed, the same
     tokens as decode steps found the key (docs/results.md, sessions 8 and 9). A full prefill
     attends to everything and needs none. At least one token is left to the chunks.

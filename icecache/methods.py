@@ -105,11 +105,12 @@ def ice_spec(settings: Settings, method: Method):
         # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
         index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
                           beam=settings.index_beam, beam_frac=settings.index_beam_frac,
-                          pages=settings.index_pages),
+                          pages=settings.index_pages, merge=settings.index_merge),
         selector=method.selector or "dci",
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
         prefill_pages=settings.prefill_budget // settings.page_size,
+        tail_pages=settings.tail_budget // settings.page_size,
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,

@@ -169,6 +169,8 @@ def index(
     beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
     pages: Annotated[str, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
                                        "projection, similar, or both comma-separated (same keys).")] = "projection",
+    merge: Annotated[str, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
+                                       "ranks, mass, or both comma-separated (same keys).")] = "ranks",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -192,7 +194,12 @@ def index(
         for m in modes:
             if m not in ("projection", "similar"):
                 raise UsageError(f"--pages: '{m}' is not projection or similar")
-        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=m) for m in modes]
+        merges = [m.strip() for m in merge.split(",") if m.strip()]
+        for m in merges:
+            if m not in ("ranks", "mass"):
+                raise UsageError(f"--merge: '{m}' is not ranks or mass")
+        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m)
+                   for p in modes for m in merges]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
@@ -201,7 +208,7 @@ def index(
             for cfg in configs:
                 res = IndexBenchResult(keys=n, budgets=budget_list)
                 for layer in layer_ids:
-                    rep.info(f"measuring layer {layer} ({cfg.pages} pages)")
+                    rep.info(f"measuring layer {layer} ({cfg.pages} pages, {cfg.merge} merge)")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
                               settings.sink_pages, settings.window_pages, cfg)
                 summary = res.summary()
@@ -214,7 +221,8 @@ def index(
 
 
 def print_table(s: dict) -> None:
-    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, {s['config']['pages']} pages", box=None)
+    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, "
+                f"{s['config']['pages']} pages, {s['config']['merge']} merge", box=None)
     t.add_column("budget")
     methods = list(next(iter(s["attention_mass_by_budget"].values())))
     for m in methods:

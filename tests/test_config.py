@@ -48,6 +48,8 @@ BAD_PROFILES = [
     ("cpu_threads: -1\n", "key 'cpu_threads' must be between 0"),
     ("window_pages: 0\n", "key 'window_pages' must be >= 1"),
     ("index_pages: kmeans\n", "key 'index_pages' must be 'projection' or 'similar'"),
+    ("index_merge: sum\n", "key 'index_merge' must be 'ranks' or 'mass'"),
+    ("tail_budget: 2048\n", "key 'tail_budget' must be a positive multiple of page_size (16), at most"),
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),
     ("dtype: int8\n", "key 'dtype' must be one of float32"),
     ("host_dtype: int8\n", "key 'host_dtype' must be one of auto, float32"),

@@ -357,3 +357,35 @@ def test_similar_pages_hold_closer_keys_and_search_stays_exact():
     ids, _ = trees["similar"].search(queries, 24)
     for r, q in enumerate(queries):
         assert set(ids[r].tolist()) == set(exact_topk(keys, q, 24).tolist())
+
+
+def test_mass_merge_with_full_beam_equals_the_softmax_page_mass_reference():
+    """With a beam over every node the walk scans every key, so the mass merge must pick the
+    pages of largest summed softmax mass over the group's queries, computed here in NumPy;
+    through ``select_layer`` (heads in parallel) as through one tree."""
+    from icecache.index import select_layer
+
+    keys = clustered(2500, d=16, clusters=30, seed=12)
+    queries = 3.0 * clustered(3, d=16, clusters=30, seed=13)
+    cfg = IndexConfig(page_size=8, beam=10_000, merge="mass")
+    trees = []
+    for h in range(2):
+        t = DCITree(16, cfg)
+        t.insert(keys + 0.01 * h)
+        trees.append(t)
+    for pages in (1, 5, 12):
+        for h, t in enumerate(trees):
+            s = (queries @ (keys + 0.01 * h).T) / 4.0  # scale 1 / sqrt(16)
+            w = np.exp(s - s.max(1, keepdims=True))
+            w /= w.sum(1, keepdims=True)
+            per_page = np.zeros(t.npages)
+            np.add.at(per_page, t.tok_page[: t.n], w.sum(0))
+            want = np.argsort(-per_page, kind="stable")[:pages]
+            got = t.select_group(queries, pages * 8, pages)
+            assert got.tolist() == want.tolist()
+        both = select_layer(trees, np.stack([queries, queries]).astype(np.float32), pages * 8, pages)
+        assert [b.tolist() for b in both] == [t.select_group(queries, pages * 8, pages).tolist() for t in trees]
+    # the ranks merge of the same trees differs (it is the other rule)
+    ranks = DCITree(16, IndexConfig(page_size=8, beam=10_000))
+    ranks.insert(keys)
+    assert ranks.select_group(queries, 40, 5).tolist() != trees[0].select_group(queries, 40, 5).tolist()

@@ -236,8 +236,8 @@ def test_sparse_prefill_steps_through_the_prompt_end():
 
 
 def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monkeypatch):
-    """The prompt's last tokens reach the cache one at a time (each a decode step choosing as
-    many pages as a chunk), the rest in chunks; the logits are those of the last prompt token
+    """The prompt's last tokens reach the cache one at a time (each a decode step choosing
+    tail_budget's pages), the rest in chunks; the logits are those of the last prompt token
     either way; generated tokens select the decode budget."""
     from icecache.cache.ice_layer import IceLayer
     from icecache.generation import Session, tail_steps
@@ -254,7 +254,7 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
 
     ids = loaded.tokenizer(generated_text(600, seed=3))["input_ids"][:900]
     settings = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256,
-                                    dense_window=512, budget=64, prefill_queries=4)
+                                    dense_window=512, budget=64, prefill_queries=4, tail_budget=128)
     sizes = []
     s = Session(loaded, settings, "ice")
     real = s.forward
@@ -268,7 +268,7 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     mine = [(rows, pages) for layer, rows, pages in asked if layer == first]
     heads = loaded.model.config.num_attention_heads
     steps_asked = [pages for rows, pages in mine if rows == heads]
-    assert steps_asked == [256 // 16] * steps  # the tail: a chunk's pages (prefill_budget 256)
+    assert steps_asked == [128 // 16] * steps  # the tail: tail_budget's pages, not the decode budget's
     s.decode(logits, 3)
     decoded = [pages for layer, _, pages in asked if layer == first][len(mine):]
     assert decoded and decoded == [64 // 16] * len(decoded)  # generated tokens: the budget

@@ -279,10 +279,10 @@ class IceLayer(CacheLayerMixin):
 
     def step_pages(self) -> int:
         """Pages this decode step selects per KV head: a prompt token that a sparse prefill
-        steps through (its tail) selects as many as a prefill chunk, while the pool still has
-        the chunk's size; a generated token, the decode budget."""
-        if self.length <= self.tail_end and self.resident.pool_pages >= self.spec.prefill_pages:
-            return self.spec.prefill_pages
+        steps through (its tail) selects ``tail_pages`` whatever the decode budget (the pool
+        still has a chunk's size then); a generated token, the decode budget."""
+        if self.length <= self.tail_end and self.resident.pool_pages >= self.spec.tail_pages:
+            return self.spec.tail_pages
         return self.spec.budget_pages
 
     def group(self, query_heads: int) -> int:

@@ -18,7 +18,9 @@ class IndexConfig:
     ``pages``: how a node's children are cut into pages: ``projection`` (runs along a random
     direction; a full page splits in half along it) or ``similar`` (balanced k-means groups at a
     bulk build; a new child joins its nearest sibling's page; a full page splits by balanced
-    2-means).
+    2-means). ``merge``: how a GQA group's queries share one KV head's pages: ``ranks`` (each
+    query's pages by best member, interleaved rank by rank) or ``mass`` (the pages holding the
+    most of the group's summed attention, estimated from the scanned scores).
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
@@ -38,8 +40,11 @@ class IndexConfig:
     parent_beam: int = 8
     shared_walk: bool = True
     pages: str = "projection"
+    merge: str = "ranks"
 
     def __post_init__(self):
+        if self.merge not in ("ranks", "mass"):
+            raise ValueError("merge must be 'ranks' or 'mass'")
         if self.pages not in ("projection", "similar"):
             raise ValueError("pages must be 'projection' or 'similar'")
         if self.promotion not in ("deterministic", "random"):

@@ -373,11 +373,15 @@ class DCITree:
             return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
                 queries, k, max_pages, self.beam_for(), self.PX, self.top_level, self.first_page,
                 self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
-                spg, ssc))
+                spg, ssc, *self.merge_args()))
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
             self.lo, self.hi, self.node_size, self.tok_page, self._sid, self._ssc)
+
+    def merge_args(self) -> tuple[bool, float]:
+        """(by_mass, softmax scale) of the group merge for the shared-walk kernels."""
+        return self.cfg.merge == "mass", float(self.d) ** -0.5
 
     # -- introspection --------------------------------------------------------------------------
     def live_pages(self) -> np.ndarray:

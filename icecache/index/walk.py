@@ -68,6 +68,6 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int) -> li
         tuple(t.next_page for t in trees), tuple(t.members for t in trees),
         tuple(t.count for t in trees), tuple(t.node_size for t in trees),
         tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
-        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok)
+        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, *trees[0].merge_args())
     return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages)
             for h in range(H)]

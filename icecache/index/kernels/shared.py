@@ -148,16 +148,57 @@ def best_pages(scratch_pages, scratch_scores, kept, r, max_pages):
     return pages[order]
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def mass_pages(scratch_pages, scratch_scores, kept, norms, scale, max_pages):
+    """The group's pages ranked by the attention mass its queries are estimated to put on them,
+    at most ``max_pages``.
+
+    Each query's softmax (scores x ``scale``) is taken over the rows the walk scanned (they hold
+    its largest scores), and a page's estimate is the sum over the group's queries of its
+    scanned members' weights: the pages that hold the most of the group's summed attention,
+    the figure the selection is judged by. ``scratch_scores`` is read only.
+    """
+    g = scratch_scores.shape[1]
+    top = np.full(g, -np.inf, np.float32)
+    for i in range(kept):
+        for r in range(g):
+            v = scratch_scores[i, r] * norms[r] * scale
+            if v > top[r]:
+                top[r] = v
+    z = np.zeros(g, np.float32)
+    for i in range(kept):
+        for r in range(g):
+            z[r] += np.exp(scratch_scores[i, r] * norms[r] * scale - top[r])
+    pages = np.empty(kept, np.int32)
+    mass = np.empty(kept, np.float32)
+    n = 0
+    i = 0
+    while i < kept:
+        p = scratch_pages[i]
+        acc = np.float32(0.0)
+        while i < kept and scratch_pages[i] == p:
+            for r in range(g):
+                acc += np.exp(scratch_scores[i, r] * norms[r] * scale - top[r]) / z[r]
+            i += 1
+        pages[n] = p
+        mass[n] = acc
+        n += 1
+    order = topk_indices(mass[:n], min(max_pages, n))
+    return pages[order]
+
+
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
                         members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
-                        scratch_scores):
+                        scratch_scores, by_mass=False, scale=1.0):
     """``select_group`` with the shared walk of ``search_group_shared``.
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
     query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
-    its top-``k`` points: the same pages, without sorting ``k`` points per query. Returns
-    (pages, False) when the scratch was too short.
+    its top-``k`` points: the same pages, without sorting ``k`` points per query; the lists are
+    merged rank by rank. ``by_mass``: the group's pages by estimated attention mass instead
+    (:func:`mass_pages`, softmax scale ``scale``). Returns (pages, False) when the scratch was
+    too short.
     """
     g = queries.shape[0]
     if k < max_pages * PX.shape[1]:
@@ -168,10 +209,12 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
                                    scratch_scores, ids, scores):
             return np.empty(0, np.int32), False
         return group_pages(ids, tok_page, max_pages), True
-    kept, _ = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
-                           node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
+                               node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return np.empty(0, np.int32), False
+    if by_mass:
+        return mass_pages(scratch_pages, scratch_scores, kept, norms, scale, max_pages), True
     lists = np.empty((g, max_pages), np.int32)
     lens = np.zeros(g, np.int64)
     for r in range(g):
@@ -184,7 +227,7 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
 @njit(parallel=True, cache=True)
 def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
                         members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
-                        lens, ok):
+                        lens, ok, by_mass=False, scale=1.0):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
     (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
     head's scratch come as tuples indexed by head. Writes head h's pages to
@@ -194,7 +237,7 @@ def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pag
         pages, good = select_group_shared(
             queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
             members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
-            sscs[h])
+            sscs[h], by_mass, scale)
         ok[h] = good
         lens[h] = pages.shape[0]
         for i in range(pages.shape[0]):
