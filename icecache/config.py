@@ -151,9 +151,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill", f"must be one of {', '.join(PREFILL_MODES)}")
     if s.prefill_budget <= 0 or s.prefill_budget % s.page_size:
         raise bad("prefill_budget", f"must be a positive multiple of page_size ({s.page_size})")
-    if s.tail_budget <= 0 or s.tail_budget % s.page_size or s.tail_budget > s.prefill_budget:
-        raise bad("tail_budget", f"must be a positive multiple of page_size ({s.page_size}), "
-                                 f"at most prefill_budget ({s.prefill_budget})")
+    if s.tail_budget <= 0 or s.tail_budget % s.page_size:
+        raise bad("tail_budget", f"must be a positive multiple of page_size ({s.page_size})")
     if s.prefill_queries < 1:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:

@@ -110,7 +110,7 @@ def ice_spec(settings: Settings, method: Method):
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
         prefill_pages=settings.prefill_budget // settings.page_size,
-        tail_pages=settings.tail_budget // settings.page_size,
+        tail_pages=min(settings.tail_budget, settings.prefill_budget) // settings.page_size,
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
