@@ -61,27 +61,47 @@ def balanced_groups(rows, k, iters):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
+def _page_best(xi, pg, PX, count):
+    """The largest inner product of ``xi`` with a member of page ``pg``."""
+    D = PX.shape[2]
+    best = -np.inf
+    for s in range(count[pg]):
+        acc = np.float32(0.0)
+        for d in range(D):
+            acc += PX[pg, s, d] * xi[d]
+        best = max(best, acc)
+    return best
+
+
+@njit(nogil=True, cache=True)
 def _nearest_page(xi, node, PX, first_page, next_page, count):
     """The page of ``node`` holding the child of largest inner product with ``xi``."""
-    D = PX.shape[2]
     best = -np.inf
     arg = first_page[node]
     pg = arg
     while pg >= 0:
-        for s in range(count[pg]):
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc += PX[pg, s, d] * xi[d]
-            if acc > best:
-                best = acc
-                arg = pg
+        b = _page_best(xi, pg, PX, count)
+        if b > best:
+            best = b
+            arg = pg
         pg = next_page[pg]
     return arg
 
 
 @njit(nogil=True, cache=True)
-def _set_range(pg, proj, members, count, lo, hi):
-    """lo/hi of page ``pg``: its members' projection range."""
+def _fill_page(pg, node, ids, rows, picks, proj, PX, members, count, owner, lo, hi, dirty, tok_page,
+               tok_slot):
+    """Page ``pg`` of ``node`` := points ``ids[picks]`` (transformed keys ``rows[picks]``) in that
+    order, its projection range set, marked dirty."""
+    for s in range(picks.shape[0]):
+        t = picks[s]
+        members[pg, s] = ids[t]
+        PX[pg, s] = rows[t]
+        tok_page[ids[t]] = pg
+        tok_slot[ids[t]] = s
+    count[pg] = picks.shape[0]
+    owner[pg] = node
+    dirty[pg] = True
     a = proj[members[pg, 0]]
     b = a
     for s in range(1, count[pg]):
@@ -90,6 +110,12 @@ def _set_range(pg, proj, members, count, lo, hi):
         b = max(b, v)
     lo[pg] = a
     hi[pg] = b
+
+
+@njit(nogil=True, cache=True)
+def _picks(labels, j):
+    """Positions of ``labels`` equal to ``j``, in order."""
+    return np.flatnonzero(labels == j)
 
 
 @njit(nogil=True, cache=True)
@@ -104,9 +130,6 @@ def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi
     nearest sibling takes it; a full page is first split by balanced 2-means, and the point
     joins the half of its nearest sibling. Changed pages are marked dirty.
     """
-    if similar and first_page[node] >= 0:
-        return _insert_similar(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi, dirty,
-                               first_page, node_size, tok_page, tok_slot, npages)
     S = members.shape[1]
     p = proj[i]
     pg = first_page[node]
@@ -119,6 +142,8 @@ def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi
         count[pg] = 0
         lo[pg] = p
         hi[pg] = p
+    elif similar:
+        pg = _nearest_page(xi, node, PX, first_page, next_page, count)
     else:
         # The last page whose range starts at or below p (or the first page).
         nxt = next_page[pg]
@@ -126,41 +151,31 @@ def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi
             pg = nxt
             nxt = next_page[pg]
     if count[pg] == S:
-        # Split: members sorted by projection, upper half to a new page right after this one.
+        # Split, members in projection order: the lower half (projection) or the first balanced
+        # 2-means group (similar) stays, the rest goes to a new page right after this one.
         c = count[pg]
         vals = np.empty(c, np.float32)
         for s in range(c):
             vals[s] = proj[members[pg, s]]
         order = np.argsort(vals, kind="mergesort")
-        tmp = members[pg, :c].copy()
-        rows = PX[pg, :c].copy()
+        tmp = members[pg, :c][order]
+        rows = PX[pg, :c][order]
+        if similar:
+            labels = balanced_groups(rows, 2, 4)
+        else:
+            labels = (np.arange(c) >= c // 2).astype(np.int64)
         new = npages
         npages += 1
-        half = c // 2
-        for s in range(half):
-            members[pg, s] = tmp[order[s]]
-            PX[pg, s] = rows[order[s]]
-        for s in range(c - half):
-            members[new, s] = tmp[order[half + s]]
-            PX[new, s] = rows[order[half + s]]
-        count[pg] = half
-        count[new] = c - half
+        _fill_page(pg, node, tmp, rows, _picks(labels, 0), proj, PX, members, count, owner, lo, hi,
+                   dirty, tok_page, tok_slot)
+        _fill_page(new, node, tmp, rows, _picks(labels, 1), proj, PX, members, count, owner, lo, hi,
+                   dirty, tok_page, tok_slot)
         next_page[new] = next_page[pg]
         next_page[pg] = new
-        owner[new] = node
-        dirty[pg] = True
-        dirty[new] = True
-        for s in range(half):
-            tok_page[members[pg, s]] = pg
-            tok_slot[members[pg, s]] = s
-        for s in range(c - half):
-            tok_page[members[new, s]] = new
-            tok_slot[members[new, s]] = s
-        lo[pg] = proj[members[pg, 0]]
-        hi[pg] = proj[members[pg, half - 1]]
-        lo[new] = proj[members[new, 0]]
-        hi[new] = proj[members[new, c - half - 1]]
-        if p >= lo[new]:
+        if similar:  # the half holding the point's nearest sibling
+            if _page_best(xi, new, PX, count) > _page_best(xi, pg, PX, count):
+                pg = new
+        elif p >= lo[new]:
             pg = new
     s = count[pg]
     members[pg, s] = i
@@ -168,77 +183,6 @@ def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi
     count[pg] = s + 1
     tok_page[i] = pg
     tok_slot[i] = s
-    if p < lo[pg]:
-        lo[pg] = p
-    if p > hi[pg]:
-        hi[pg] = p
-    dirty[pg] = True
-    node_size[node] += 1
-    return npages
-
-
-@njit(nogil=True, cache=True)
-def _insert_similar(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi, dirty,
-                    first_page, node_size, tok_page, tok_slot, npages):
-    """``insert_child`` for similarity pages, into a node that has pages."""
-    S = members.shape[1]
-    pg = _nearest_page(xi, node, PX, first_page, next_page, count)
-    if count[pg] == S:
-        # Split by balanced 2-means (seeded at the projection's ends), the second half to a new
-        # page right after this one.
-        c = count[pg]
-        tmp = members[pg, :c].copy()
-        rows = PX[pg, :c].copy()
-        vals = np.empty(c, np.float32)
-        for s in range(c):
-            vals[s] = proj[tmp[s]]
-        order = np.argsort(vals, kind="mergesort")
-        labels = balanced_groups(rows[order], 2, 4)
-        new = npages
-        npages += 1
-        a = b = 0
-        for t in range(c):
-            s = order[t]
-            if labels[t] == 0:
-                members[pg, a] = tmp[s]
-                PX[pg, a] = rows[s]
-                tok_page[tmp[s]] = pg
-                tok_slot[tmp[s]] = a
-                a += 1
-            else:
-                members[new, b] = tmp[s]
-                PX[new, b] = rows[s]
-                tok_page[tmp[s]] = new
-                tok_slot[tmp[s]] = b
-                b += 1
-        count[pg] = a
-        count[new] = b
-        next_page[new] = next_page[pg]
-        next_page[pg] = new
-        owner[new] = node
-        dirty[pg] = True
-        dirty[new] = True
-        _set_range(pg, proj, members, count, lo, hi)
-        _set_range(new, proj, members, count, lo, hi)
-        # the half holding the point's nearest sibling
-        D = PX.shape[2]
-        best = -np.inf
-        halves = np.array([pg, new], np.int64)
-        for q in halves:
-            for s in range(count[q]):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += PX[q, s, d] * xi[d]
-                if acc > best:
-                    best = acc
-                    pg = q
-    s = count[pg]
-    members[pg, s] = i
-    PX[pg, s] = xi
-    count[pg] = s + 1
-    tok_page[i] = pg
-    tok_slot[i] = s
-    p = proj[i]
     if p < lo[pg]:
         lo[pg] = p
     if p > hi[pg]:
@@ -271,49 +215,19 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
                 npages = insert_child(ids[t], rows[t], node, proj, PX, members, count, next_page, owner,
                                       lo, hi, dirty, first_page, node_size, tok_page, tok_slot,
                                       npages, similar)
-        elif similar and b - a > S:
+        else:
             k = (b - a + S - 1) // S
-            labels = balanced_groups(rows[a:b], k, 6)
+            if similar and k > 1:
+                labels = balanced_groups(rows[a:b], k, 6)
+            else:
+                labels = np.arange(b - a) // S
             prev = -1
             for j in range(k):
                 pg = npages
                 npages += 1
-                m = 0
-                for t in range(a, b):
-                    if labels[t - a] == j:
-                        members[pg, m] = ids[t]
-                        PX[pg, m] = rows[t]
-                        tok_page[ids[t]] = pg
-                        tok_slot[ids[t]] = m
-                        m += 1
-                count[pg] = m
-                owner[pg] = node
+                _fill_page(pg, node, ids[a:b], rows[a:b], _picks(labels, j), proj, PX, members, count,
+                           owner, lo, hi, dirty, tok_page, tok_slot)
                 next_page[pg] = -1
-                dirty[pg] = True
-                _set_range(pg, proj, members, count, lo, hi)
-                if prev < 0:
-                    first_page[node] = pg
-                else:
-                    next_page[prev] = pg
-                prev = pg
-            node_size[node] += b - a
-        else:
-            prev = -1
-            for c in range(a, b, S):
-                pg = npages
-                npages += 1
-                e = min(c + S, b)
-                for t in range(c, e):
-                    members[pg, t - c] = ids[t]
-                    PX[pg, t - c] = rows[t]
-                    tok_page[ids[t]] = pg
-                    tok_slot[ids[t]] = t - c
-                count[pg] = e - c
-                owner[pg] = node
-                next_page[pg] = -1
-                lo[pg] = proj[ids[c]]
-                hi[pg] = proj[ids[e - 1]]
-                dirty[pg] = True
                 if prev < 0:
                     first_page[node] = pg
                 else:
@@ -322,6 +236,8 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
             node_size[node] += b - a
         a = b
     return npages
+
+
 
 
 @njit(nogil=True, cache=True, fastmath=True)
