@@ -238,7 +238,7 @@ class Session:
         twin.cached_ids = list(self.cached_ids)
         twin.new_tokens = self.new_tokens
         twin.run_settings = self.run_settings.replace(budget=settings.budget)
-        if self._pending is not None:  # prompt tokens still to step through, under its budget
+        if self._pending is not None:  # prompt tokens still to step through (budget-independent)
             tokens, total, report, logits = self._pending
             twin._pending = (list(tokens), total, report, None if logits is None else logits.clone())
         return twin
@@ -257,7 +257,8 @@ class Session:
 
         A sparse prefill runs the prompt's last tokens as decode steps (:func:`tail_steps`).
         ``hold_tail``: stop before them and return ``None`` logits; :meth:`finish_prefill` runs
-        them (a :meth:`fork` taken in between runs them under its own budget)."""
+        them (a :meth:`fork` taken in between carries them; bench measures the chunks' resident
+        memory there)."""
         if not ids:
             raise ValueError("empty prompt")
         stats = GenerationStats(tokens_in=len(ids))

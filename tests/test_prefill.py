@@ -253,10 +253,14 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
     session.new_tokens = 24
     logits, _ = session.prefill(ids, hold_tail=True)  # the prompt's last tokens not stepped yet
     assert logits is None and session.positions == positions
-    twin = session.fork(base.replace(budget=32))  # steps the tail under its own budget
+    twin = session.fork(base.replace(budget=32))  # carries the tail, steps it itself
     assert twin.decode(twin.finish_prefill(), 24)[0] == want[32]
     again = session.fork(base.replace(budget=128))  # the fork left the prefilled session as it was
     assert again.decode(again.finish_prefill(), 24)[0] == want[128]
+    done = session.fork(base.replace(budget=128))
+    tail_logits = done.finish_prefill()  # the tail stepped, nothing generated yet: eval forks here
+    after = done.fork(base.replace(budget=32))
+    assert after.decode(tail_logits.clone(), 24)[0] == want[32]
     assert session.decode(session.finish_prefill(), 24)[0] == want[128]
     with pytest.raises(ValueError, match="only a prefilled cache"):
         session.fork(base.replace(budget=32))  # it decoded since

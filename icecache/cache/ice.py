@@ -63,7 +63,7 @@ class IceCache(Cache):
         """The next ``tokens`` prompt tokens come in chunks: a layer whose last chunk has passed
         can go to the host store and its index while the next layers compute. The ``tail``
         prompt tokens after them come one at a time (a sparse prefill's tail): they select
-        pages as a chunk does."""
+        ``tail_pages`` pages, whatever the decode budget."""
         for layer in self.ice_layers():
             layer.prompt_tokens = layer.length + tokens
             layer.tail_end = layer.prompt_tokens + tail

@@ -187,7 +187,7 @@ class Evaluator:
         first = _settings(self.settings, group[0])
         session = Session(self.loaded, first, group[0].method)
         session.new_tokens = new_tokens
-        session.prefill(ids, hold_tail=True)  # each budget steps through the prompt's end itself
+        logits, _ = session.prefill(ids)  # the stepped prompt end too: it does not depend on the budget
         outs: dict[tuple, list[int]] = {}
         need = need_bytes(group[0].method, self.loaded.model.config, session.run_settings,
                           len(ids) + new_tokens)
@@ -198,9 +198,9 @@ class Evaluator:
                 twin = session.fork(_settings(self.settings, c))
             except ValueError:
                 break
-            outs[c.key()] = twin.decode(twin.finish_prefill(), new_tokens)[0]
+            outs[c.key()] = twin.decode(logits.clone(), new_tokens)[0]
             del twin
-        outs[group[0].key()] = session.decode(session.finish_prefill(), new_tokens)[0]
+        outs[group[0].key()] = session.decode(logits, new_tokens)[0]
         return outs
 
     def _passkey(self, cell: Cell) -> dict:

@@ -121,69 +121,73 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
 
 
 @njit(nogil=True, cache=True)
-def best_pages(scratch_pages, scratch_scores, kept, r, max_pages):
-    """Query ``r``'s pages ranked by their best scored member, at most ``max_pages``.
+def page_runs(scratch_pages, kept):
+    """The walk's scanned rows as page runs (a page's scanned rows are one contiguous run, see
+    ``_walk_shared``): the pages, and each run's first row (one more entry: ``kept``)."""
+    pages = np.empty(kept, np.int32)
+    starts = np.empty(kept + 1, np.int64)
+    n = 0
+    for i in range(kept):
+        if i == 0 or scratch_pages[i] != scratch_pages[i - 1]:
+            pages[n] = scratch_pages[i]
+            starts[n] = i
+            n += 1
+    starts[n] = kept
+    return pages[:n], starts[: n + 1]
+
+
+@njit(nogil=True, cache=True)
+def best_pages(pages, starts, scratch_scores, r, max_pages):
+    """Query ``r``'s pages (runs of :func:`page_runs`) ranked by their best scored member, at
+    most ``max_pages``.
 
     The same list as ``ranked_pages`` of the query's top ``max_pages x page_size`` points (a
     page's rank there is its best member's rank, and that many points cannot hold more than
     ``max_pages`` distinct pages before the last one's best member), without ranking the points.
-    A page's scanned rows are one contiguous run (see ``_walk_shared``).
     """
-    pages = np.empty(kept, np.int32)
-    best = np.empty(kept, np.float32)
-    n = 0
-    i = 0
-    while i < kept:
-        p = scratch_pages[i]
-        b = scratch_scores[i, r]
-        i += 1
-        while i < kept and scratch_pages[i] == p:
-            if scratch_scores[i, r] > b:
-                b = scratch_scores[i, r]
-            i += 1
-        pages[n] = p
-        best[n] = b
-        n += 1
-    order = topk_indices(best[:n], min(max_pages, n))
+    n = pages.shape[0]
+    best = np.empty(n, np.float32)
+    for j in range(n):
+        b = scratch_scores[starts[j], r]
+        for i in range(starts[j] + 1, starts[j + 1]):
+            b = max(b, scratch_scores[i, r])
+        best[j] = b
+    order = topk_indices(best, min(max_pages, n))
     return pages[order]
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def mass_pages(scratch_pages, scratch_scores, kept, norms, scale, max_pages):
-    """The group's pages ranked by the attention mass its queries are estimated to put on them,
-    at most ``max_pages``.
+def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
+    """The group's pages (runs of :func:`page_runs`) ranked by the attention mass its queries
+    are estimated to put on them, at most ``max_pages``.
 
     Each query's softmax (scores x ``scale``) is taken over the rows the walk scanned (they hold
     its largest scores), and a page's estimate is the sum over the group's queries of its
     scanned members' weights: the pages that hold the most of the group's summed attention,
     the figure the selection is judged by. ``scratch_scores`` is read only.
     """
+    kept = starts[pages.shape[0]]
     g = scratch_scores.shape[1]
     top = np.full(g, -np.inf, np.float32)
     for i in range(kept):
         for r in range(g):
-            v = scratch_scores[i, r] * norms[r] * scale
-            if v > top[r]:
-                top[r] = v
+            top[r] = max(top[r], scratch_scores[i, r] * norms[r] * scale)
+    weight = np.empty((kept, g), np.float32)  # each exponential once
     z = np.zeros(g, np.float32)
     for i in range(kept):
         for r in range(g):
-            z[r] += np.exp(scratch_scores[i, r] * norms[r] * scale - top[r])
-    pages = np.empty(kept, np.int32)
-    mass = np.empty(kept, np.float32)
-    n = 0
-    i = 0
-    while i < kept:
-        p = scratch_pages[i]
+            e = np.exp(scratch_scores[i, r] * norms[r] * scale - top[r])
+            weight[i, r] = e
+            z[r] += e
+    n = pages.shape[0]
+    mass = np.zeros(n, np.float32)
+    for j in range(n):
         acc = np.float32(0.0)
-        while i < kept and scratch_pages[i] == p:
+        for i in range(starts[j], starts[j + 1]):
             for r in range(g):
-                acc += np.exp(scratch_scores[i, r] * norms[r] * scale - top[r]) / z[r]
-            i += 1
-        pages[n] = p
-        mass[n] = acc
-        n += 1
-    order = topk_indices(mass[:n], min(max_pages, n))
+                acc += weight[i, r] / z[r]
+        mass[j] = acc
+    order = topk_indices(mass, min(max_pages, n))
     return pages[order]
 
 
@@ -213,12 +217,13 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
                                node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return np.empty(0, np.int32), False
+    runs, starts = page_runs(scratch_pages, kept)
     if by_mass:
-        return mass_pages(scratch_pages, scratch_scores, kept, norms, scale, max_pages), True
+        return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
     lists = np.empty((g, max_pages), np.int32)
     lens = np.zeros(g, np.int64)
     for r in range(g):
-        pages = best_pages(scratch_pages, scratch_scores, kept, r, max_pages)
+        pages = best_pages(runs, starts, scratch_scores, r, max_pages)
         lists[r, : pages.shape[0]] = pages
         lens[r] = pages.shape[0]
     return merge_ranked(lists, lens, max_pages), True
