@@ -27,6 +27,11 @@ def flashinfer_available(device: torch.device) -> bool:
 class TorchBackend:
     """Pool, host store and page loading with plain torch ops, on CPU or CUDA."""
 
+    # On CUDA the stage timers of a decode step (load, attention) read host clocks around
+    # asynchronous work; a benchmark sets this to synchronize at each stage's end so that the
+    # breakdown is the device's time (it costs the overlap between stages).
+    sync_timers = False
+
     def __init__(self, device: torch.device | str):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
@@ -96,4 +101,9 @@ class TorchBackend:
 
     def synchronize(self) -> None:
         if self.cuda:
+            torch.cuda.synchronize(self.device)
+
+    def timer_sync(self) -> None:
+        """Before a stage timer is read: wait for the device when ``sync_timers`` is set."""
+        if self.cuda and self.sync_timers:
             torch.cuda.synchronize(self.device)

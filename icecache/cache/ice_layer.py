@@ -274,6 +274,7 @@ class IceLayer(CacheLayerMixin):
             # there (one rotation) and the query stays at its true position
             k = self._placed(k, self.length - 1 - page_distance)
             out = paged_decode_sdpa(q, k, v, valid, scale)
+        self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
 
@@ -349,6 +350,7 @@ class IceLayer(CacheLayerMixin):
         self.stats.bytes_moved += moved
         self.stats.pages_loaded += loaded
         self.stats.pages_selected += sum(len(w) for w in self.selected)
+        self.backend.timer_sync()
         self.stats.load_s += time.perf_counter() - t0
 
     # -- what the cache holds ---------------------------------------------------------------------

@@ -102,10 +102,10 @@ class RopeFrame:
         return cos.float(), sin.float()
 
     @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
-    def down_table(self, top: int, n: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin (n, rotary_dim) float32 of the rotations from position 0 to ``top``,
-        ``top - 1``, ..., ``top - n + 1``."""
-        cos, sin = self.rotation(0, top - torch.arange(n))
+    def down_table(self, top: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin (n, rotary_dim) float32 on ``device`` of the rotations from position 0 to
+        ``top``, ``top - 1``, ..., ``top - n + 1``."""
+        cos, sin = self.rotation(0, top - torch.arange(n), device)
         return cos.float(), sin.float()
 
     def rotate_by(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -171,11 +171,11 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     ``offset``, a head's sink rows by row ``count + sink_fill - 1`` (from token ``j`` to
     ``pages_at - count - sink_fill + 1 + j``)."""
     H, _, d = k.shape
-    cos_t, sin_t = frame.down_table(int(pages_at), window_at + 1)
+    cos_t, sin_t = frame.down_table(int(pages_at), window_at + 1, str(k.device))
     idx = torch.empty(H, window_at, dtype=torch.int64)
     idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
     idx[:, pool_at:] = offset
-    flat = idx.view(-1)
+    flat = idx.view(-1).to(k.device)
     r = cos_t.shape[1]
     cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
     moved = frame.rotate_by(k[:, :window_at], cos, sin)

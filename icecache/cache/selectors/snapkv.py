@@ -65,7 +65,7 @@ def snap_votes(obs_q, keys, sink: int, mid: int, scale: float):
     for h in range(H):
         q = obs_q[h * G : (h + 1) * G].reshape(-1, obs_q.shape[-1]).float()
         w = torch.softmax(q @ keys[h].float().T * scale, dim=-1)
-        out[h] = w[:, sink : sink + mid].sum(0).double().numpy()
+        out[h] = w[:, sink : sink + mid].sum(0).double().cpu().numpy()
     return out
 
 
