@@ -77,6 +77,23 @@ def test_build_invariants_and_exact_parents(promotion, pages):
         np.testing.assert_allclose(d_got, d_ref, rtol=1e-4, atol=1e-4)
 
 
+def test_parents_by_tree_walk_when_the_level_above_is_large():
+    """Above ``exact_parent_max`` a batch's parents come from a tree walk: a valid tree whose
+    parents are mostly the exact nearest ones (the exact rule is the default up to 16384)."""
+    keys = clustered(3000)
+    cfg = IndexConfig(page_size=8, ratio_bottom=0.05, ratio_upper=0.25, exact_parent_max=20)
+    t = DCITree(16, cfg)
+    t.insert(keys)
+    check_invariants(t)
+    X = mip_transform(keys.astype(np.float64))
+    kids, ups = np.flatnonzero(t.level[: t.n] == 0), np.flatnonzero(t.level[: t.n] == 1)
+    assert len(ups) > 20  # the walk was taken
+    d_got = ((X[kids] - X[t.parent[kids] - 1]) ** 2).sum(1)
+    d_ref = ((X[kids] - X[ups[nearest(X[kids], X[ups])]]) ** 2).sum(1)
+    assert (d_got >= d_ref - 1e-4).all()
+    assert np.mean(np.isclose(d_got, d_ref, rtol=1e-4, atol=1e-4)) > 0.8
+
+
 def test_deterministic_levels_follow_one_in_n():
     t = DCITree(16, IndexConfig(ratio_bottom=0.01, ratio_upper=0.2))
     t.insert(clustered(5000))

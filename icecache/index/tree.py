@@ -248,8 +248,9 @@ class DCITree:
             if few:
                 kernels.nearest_among(rows, C, cand, out)
                 return out + 1
-            for lo in range(0, len(ids), 4096):
-                block = rows[lo : lo + 4096]
+            step = max(256, (1 << 24) // max(1, len(cand)))  # a product of at most 64 MB at a time
+            for lo in range(0, len(ids), step):
+                block = rows[lo : lo + step]
                 out[lo : lo + len(block)] = cand[np.argmax(block @ C.T, axis=1)] + 1
             return out
         out = np.empty(len(ids), np.int32)
