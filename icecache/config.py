@@ -78,6 +78,13 @@ class Settings:
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
+    # The document cache (icecache.doc_cache): a document's prefill saved on disk and loaded by
+    # a later run over the same document. doc_cache: a folder, "" (the user cache folder, or
+    # $ICECACHE_DOC_CACHE) or "off"; used from doc_cache_min_tokens of shared prompt prefix;
+    # least recently used entries go beyond doc_cache_gib.
+    doc_cache: str = ""
+    doc_cache_gib: float = 10.0
+    doc_cache_min_tokens: int = 2048
 
     def replace(self, **changes: Any) -> Settings:
         return dataclasses.replace(self, **changes)
@@ -165,6 +172,10 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("rope_scaling", f"must be one of {', '.join(SCALINGS)}")
     if s.rope_scaling != "none" and s.positions == "remap":
         raise bad("rope_scaling", "and positions: remap exclude each other (remap keeps the model's own RoPE)")
+    if s.doc_cache_gib < 0:
+        raise bad("doc_cache_gib", "must be >= 0 (0: no cap)")
+    if s.doc_cache_min_tokens < 1:
+        raise bad("doc_cache_min_tokens", "must be >= 1")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     edges = (s.sink_pages + s.window_pages) * s.page_size

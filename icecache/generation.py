@@ -26,6 +26,7 @@ class GenerationStats:
     tokens_in: int = 0  # prompt tokens
     tokens_prefilled: int = 0  # prompt tokens computed now (the rest came from a cached prefix)
     tokens_out: int = 0
+    prefix_cached_tokens: int = 0  # prompt tokens loaded from the document cache (doc_cache.py)
     prefill_seconds: float = 0.0
     decode_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
@@ -145,6 +146,9 @@ class Session:
         # on_token(tokens so far, stats): called with [] when a generation starts and after each
         # new token (the live panel and streamed text read it).
         self.on_token: Callable[[list[int], GenerationStats], None] | None = None
+        # The document cache (doc_cache.DocCache) and the prompt length from which it is used.
+        self.doc_cache = None
+        self.doc_min_tokens = settings.doc_cache_min_tokens
 
     def forward(self, ids: list[int]) -> torch.Tensor:
         """Run ``ids`` (prompt chunk or one new token) through the model into the cache; return
@@ -213,15 +217,19 @@ class Session:
         max_new_tokens: int,
         on_progress: Progress | None = None,
         repetition_penalty: float = 1.0,
+        prefix: int = 0,
     ) -> tuple[list[int], GenerationStats]:
         """Greedy continuation of prompt ``ids``: up to ``max_new_tokens`` tokens, stop token excluded.
+
+        ``prefix``: the prompt's first tokens that other prompts share (the document): with a
+        document cache, they are loaded from it when saved, else saved after their prefill.
 
         ``repetition_penalty`` > 1 makes tokens already generated (not the prompt's, which the
         answer may need to quote) less likely: positive logits are divided by it, negative ones
         multiplied. Decoding stays deterministic.
         """
         self.new_tokens = max_new_tokens
-        logits, stats = self.prefill(ids, on_progress)
+        logits, stats = self.prefill(ids, on_progress, prefix=prefix)
         return self._decode(logits, max_new_tokens, stats, on_progress, repetition_penalty)
 
     @torch.inference_mode()
@@ -251,7 +259,8 @@ class Session:
         return self._decode(logits, max_new_tokens, stats, None, 1.0)
 
     @torch.inference_mode()
-    def prefill(self, ids: list[int], on_progress: Progress | None = None, hold_tail: bool = False):
+    def prefill(self, ids: list[int], on_progress: Progress | None = None, hold_tail: bool = False,
+                prefix: int = 0):
         """Bring the cache to prompt ``ids`` (reusing a cached prefix where it can); return the
         logits at the last prompt position and the stats so far.
 
@@ -264,16 +273,29 @@ class Session:
         stats = GenerationStats(tokens_in=len(ids))
         report = on_progress or (lambda *_: None)
         start = self._start(ids)
-        stats.tokens_prefilled = len(ids) - start
         t0 = time.perf_counter()
         run = self.run_settings
         cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids) - start)
-        logits = None
-        if hasattr(self.cache, "begin_prefill"):
+        save_at = self._cacheable_prefix(prefix, start, cut)
+        saved = self._load_prefix(ids, save_at, start) if save_at else None
+        if saved is not None:
+            start = stats.prefix_cached_tokens = len(self.cached_ids)
+            if start == save_at:
+                save_at = 0  # (already saved)
+        elif hasattr(self.cache, "begin_prefill"):
             self.cache.begin_prefill(cut - start, tail=len(ids) - cut)
-        for lo, hi in chunk_bounds(start, cut, run.chunk_size):
+        stats.tokens_prefilled = len(ids) - start
+        logits = None
+        first = start
+        # With a prefix to save, the chunks stop at its end (a later run that loads it continues
+        # from there, so both compute the same chunks).
+        bounds = (chunk_bounds(start, save_at, run.chunk_size) + chunk_bounds(save_at, cut, run.chunk_size)
+                  if save_at else chunk_bounds(start, cut, run.chunk_size))
+        for lo, hi in bounds:
             logits = self.forward(ids[lo:hi])
-            report("prefill", hi - start, len(ids) - start)
+            report("prefill", hi - first, len(ids) - first)
+            if save_at and hi == save_at:
+                self.doc_cache.save(ids[:save_at], [(layer.keys, layer.values) for layer in self.cache.layers])
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0
@@ -281,6 +303,38 @@ class Session:
         if hold_tail:
             return None, stats
         return self.finish_prefill(stats), stats
+
+    def _cacheable_prefix(self, prefix: int, start: int, cut: int) -> int:
+        """Where this run's prompt may be saved to / loaded from the document cache (0: not):
+        a shared prefix of at least ``doc_min_tokens`` that a full prefill computes (true
+        positions; methods whose prefill state is the dense KV alone: not SnapKV, which also
+        votes with the prompt's last queries)."""
+        from .methods import get
+
+        run, m = self.run_settings, get(self.method)
+        if (self.doc_cache is None or prefix < max(1, self.doc_min_tokens) or prefix <= start or prefix >= cut
+                or run.prefill != "full" or run.positions != "true" or m.selector == "snapkv"):
+            return 0
+        return prefix
+
+    def _load_prefix(self, ids: list[int], limit: int, start: int):
+        """Load the longest saved prefix of ``ids`` (at most ``limit`` tokens, more than the
+        ``start`` tokens already cached) into a fresh cache; None when there is none."""
+        n = self.doc_cache.find(ids, limit)
+        if n <= start:
+            return None
+        kv = self.doc_cache.load(ids[:n], self.loaded.model.device)
+        if kv is None:
+            return None
+        self.cache = self._new_cache(len(ids))
+        run = self.run_settings
+        cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids))
+        if hasattr(self.cache, "begin_prefill"):
+            self.cache.begin_prefill(cut, tail=len(ids) - cut)
+        for i, (k, v) in enumerate(kv):
+            self.cache.update(k, v, i)
+        self.cached_ids = list(ids[:n])
+        return kv
 
     @torch.inference_mode()
     def finish_prefill(self, stats: GenerationStats | None = None) -> torch.Tensor:

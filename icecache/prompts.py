@@ -43,6 +43,19 @@ def cot_messages(problem: str) -> Messages:
     ]
 
 
+def document_prefix(tokenizer: Any, document: str) -> int:
+    """How many leading tokens every summarize and qa prompt over ``document`` shares (the
+    template's start and the document): where the document cache cuts."""
+    a = render(tokenizer, summarize_messages(document))
+    b = render(tokenizer, qa_messages(document, "?"))
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
 def render(tokenizer: Any, messages: Messages) -> list[int]:
     """Token ids of ``messages`` through the chat template, ready for the assistant's reply.
 

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import prompts
+from . import doc_cache, prompts
 from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
@@ -49,6 +49,9 @@ class TaskResult:
             "budget": self.budget,
             "seconds": round(self.seconds, 3),
         }
+        cached = sum(s.prefix_cached_tokens for s in self.stats)
+        if cached:
+            d["prefix_cached_tokens"] = cached
         if self.memory:
             d["memory"] = self.memory
         if self.task == "cot":
@@ -94,6 +97,11 @@ class Runner:
         self.session = Session(loaded, settings, method)
         self.warn: Callable[[str], None] | None = None  # where warnings go (the CLI's stderr)
         self.note: Callable[[str], None] | None = None  # where the run's choices are said
+        self.session.doc_cache = doc_cache.for_settings(loaded.model, settings, self._warn)
+
+    def _warn(self, message: str) -> None:
+        if self.warn:
+            self.warn(message)
 
     @property
     def context_limit(self) -> int:
@@ -131,10 +139,16 @@ class Runner:
             "shorten the document or lower --max-new-tokens"
         )
 
-    def _run(self, messages, document, max_new_tokens, on_progress, repetition_penalty):
+    def _run(self, messages, document, max_new_tokens, on_progress, repetition_penalty, shared: bool = True):
         ids = prompts.render(self.loaded.tokenizer, messages)
         self._check_fits(ids, document, max_new_tokens)
-        tokens, stats = self.session.generate(ids, max_new_tokens, on_progress, repetition_penalty)
+        prefix = 0
+        if shared and self.session.doc_cache is not None and len(ids) > self.session.doc_min_tokens:
+            prefix = prompts.document_prefix(self.loaded.tokenizer, document)
+        tokens, stats = self.session.generate(ids, max_new_tokens, on_progress, repetition_penalty, prefix=prefix)
+        if stats.prefix_cached_tokens and self.note:
+            self.note(f"document cache: {stats.prefix_cached_tokens} prompt tokens loaded, "
+                      f"{stats.tokens_prefilled} prefilled")
         text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return text, stats
 
@@ -179,5 +193,5 @@ class Runner:
             repetition_penalty: float = 1.0) -> TaskResult:
         t0 = time.perf_counter()
         messages = prompts.cot_messages(problem)
-        text, stats = self._run(messages, problem, max_new_tokens, on_progress, repetition_penalty)
+        text, stats = self._run(messages, problem, max_new_tokens, on_progress, repetition_penalty, shared=False)
         return self._result("cot", text, [stats], t0, answer=prompts.extract_answer(text))

@@ -56,6 +56,12 @@ RopeScalingOpt = _profile_setting(str, "--rope-scaling", about=(
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
+DocCacheOpt = Annotated[str | None, typer.Option(
+    "--doc-cache", metavar="DIR", show_default=False,
+    help="Folder of the document cache: a document's prefill saved there is loaded by a later run "
+         "over the same document. Default: the profile's doc_cache, else $ICECACHE_DOC_CACHE, else "
+         "the user cache folder.")]
+NoDocCacheOpt = Annotated[bool, typer.Option("--no-doc-cache", help="Neither load nor save the document's prefill.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
 StatsOpt = Annotated[bool, typer.Option("--stats", help="Print the final figures (prefill, per-token latency, memory, pages) as one line on stderr; JSON with --json.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")]
@@ -84,6 +90,8 @@ class RunOptions:
     rope_scaling: RopeScalingOpt = None
     chunk_size: ChunkOpt = None
     pipeline: PipelineOpt = None
+    doc_cache: DocCacheOpt = None
+    no_doc_cache: NoDocCacheOpt = False
     as_json: JsonOpt = False
     stats: StatsOpt = False
     quiet: QuietOpt = False
@@ -92,7 +100,8 @@ class RunOptions:
         """The settings given as flags (``None``: the profile's)."""
         return dict(budget=self.budget, reuse_every=self.reuse_every, prefill=self.prefill,
                     chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions,
-                    rope_scaling=self.rope_scaling)
+                    rope_scaling=self.rope_scaling,
+                    doc_cache="off" if self.no_doc_cache else self.doc_cache)
 
 
 @dataclass

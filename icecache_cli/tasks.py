@@ -214,6 +214,7 @@ def final_stats(result: TaskResult, cache, settings, session=None) -> dict:
         "positions": session.positions if session is not None else None,
         "rope_scaling": settings.rope_scaling,
         "prompt_tokens": result.tokens_in,
+        "prefix_cached_tokens": sum(s.prefix_cached_tokens for s in result.stats),
         "prefill_s": round(pre_s, 3),
         "prefill_tok_s": round(pre_tok / pre_s, 1) if pre_s else None,
         "new_tokens": result.tokens_out,

@@ -12,6 +12,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# The document cache stays off unless a test names its folder (it would carry prefills between
+# tests and runs of the suite).
+os.environ["ICECACHE_DOC_CACHE"] = "off"
 EXAMPLE = REPO / "docs" / "examples" / "harbor-report.txt"
 
 

@@ -1,0 +1,251 @@
+"""A document's prefill kept on disk: ask about it again without prefilling it again.
+
+An entry holds the keys and values of every layer for a prompt prefix (the prompt up to the end of
+the document, which a summary and any question about the same document share), as a full
+prefill computes them, and a JSON manifest:
+
+    <root>/<key>/manifest.json   format, model identity, the settings that shape the KV, the
+                                 prefix's length and token hash, size and SHA-256 of the tensors
+    <root>/<key>/kv.safetensors  k.0, v.0, k.1, ... (1, kv heads, tokens, head_dim), as held
+
+``key`` hashes the model identity, those settings and the prefix's token ids, so a later prompt
+finds an entry by hashing its own first tokens at each prefix length the cache holds
+(``lengths.json``). Entries are written to a temporary folder and renamed into place; whatever
+goes wrong (a truncated or corrupt file, another format, a read-only or full disk) costs one
+warning line and a normal prefill, never the task. Least recently used entries go when the
+folder outgrows its cap.
+
+What is cached: the full prefill (the prompt within the model's trained context on CPU, and
+every GPU run the profile prefills in full). A sparse prefill's state (host store, index, window)
+is not saved yet.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FORMAT = 1
+KV_FILE, MANIFEST = "kv.safetensors", "manifest.json"
+LENGTHS = "lengths.json"
+# The settings a full prefill's keys and values depend on (the method does not: every method's
+# full prefill is the same computation).
+SHAPING = ("dtype", "chunk_size", "rope_scaling", "positions", "device")
+
+Warn = Callable[[str], None]
+
+
+def default_root() -> Path:
+    """``$ICECACHE_DOC_CACHE`` (a folder), else ``documents`` in the user cache folder."""
+    env = os.environ.get("ICECACHE_DOC_CACHE")
+    if env and env not in ("off", "0"):
+        return Path(env)
+    from .models import cache_root
+
+    return cache_root() / "documents"
+
+
+def for_settings(model: Any, settings: Any, warn: Warn | None = None) -> DocCache | None:
+    """The document cache ``settings`` ask for (``doc_cache``: a folder, "" for the default,
+    "off"), or None."""
+    where = settings.doc_cache
+    if where == "off" or (not where and os.environ.get("ICECACHE_DOC_CACHE") in ("off", "0")):
+        return None
+    root = Path(where).expanduser() if where else default_root()
+    return DocCache(root, model, settings, int(settings.doc_cache_gib * 2**30), warn)
+
+
+def model_identity(model: Any) -> dict:
+    """What names the weights: their source (a converted GGUF's folder carries the file's
+    SHA-256) and a hash of the configuration."""
+    cfg = model.config.to_dict()
+    blob = json.dumps(cfg, sort_keys=True, default=str).encode()
+    return {"source": str(getattr(model, "name_or_path", "") or cfg.get("_name_or_path", "")),
+            "config_sha256": hashlib.sha256(blob).hexdigest()[:16]}
+
+
+def tokens_hash(ids) -> str:
+    return hashlib.sha256(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+
+
+def _file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _dir_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file())
+
+
+class DocCache:
+    """Saved prefixes under ``root``, at most ``max_bytes`` of them (0: no cap)."""
+
+    def __init__(self, root: Path | str, model: Any, settings: Any, max_bytes: int = 0,
+                 warn: Warn | None = None):
+        self.root = Path(root)
+        self.max_bytes = max_bytes
+        self.warn = warn or (lambda _m: None)
+        self.identity = {"format": FORMAT, **model_identity(model),
+                         **{k: getattr(settings, k) for k in SHAPING}}
+        self._ident_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
+
+    def key(self, ids) -> str:
+        return hashlib.sha256(f"{self._ident_hash}:{len(ids)}:{tokens_hash(ids)}".encode()).hexdigest()[:32]
+
+    # -- lookup -------------------------------------------------------------------------------
+    def _lengths(self) -> list[int]:
+        try:
+            data = json.loads((self.root / LENGTHS).read_text())
+            return sorted({int(n) for n in data.get(self._ident_hash, [])}, reverse=True)
+        except (OSError, ValueError, AttributeError, TypeError):
+            return []
+
+    def find(self, ids, limit: int) -> int:
+        """The longest saved prefix of ``ids`` of at most ``limit`` tokens (0: none)."""
+        for n in self._lengths():
+            if 0 < n <= limit and (self.root / self.key(ids[:n]) / MANIFEST).is_file():
+                return n
+        return 0
+
+    def load(self, ids, device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+        """The saved keys and values of prefix ``ids`` (per layer), or None (with a warning and the
+        entry removed when it exists but cannot be used)."""
+        entry = self.root / self.key(ids)
+        if not (entry / MANIFEST).is_file():
+            return None
+        try:
+            manifest = json.loads((entry / MANIFEST).read_text())
+            if manifest.get("identity") != self.identity or manifest.get("tokens") != len(ids) \
+                    or manifest.get("tokens_sha256") != tokens_hash(ids):
+                raise ValueError("it was saved for another model, settings or prompt")
+            path = entry / KV_FILE
+            if path.stat().st_size != manifest["bytes"] or _file_sha256(path) != manifest["sha256"]:
+                raise ValueError("its tensors do not match their checksum")
+            from safetensors.torch import load_file
+
+            tensors = load_file(str(path), device=str(device))
+            kv = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(manifest["layers"])]
+            if any(k.shape[2] != len(ids) or v.shape[2] != len(ids) for k, v in kv):
+                raise ValueError("its tensors hold another number of tokens")
+        except Exception as exc:  # noqa: BLE001  (any unreadable entry is rebuilt, never fatal)
+            self.warn(f"document cache: entry {entry.name} not used ({_reason(exc)}); prefilling again")
+            shutil.rmtree(entry, ignore_errors=True)
+            return None
+        with contextlib.suppress(OSError):
+            os.utime(entry / MANIFEST)  # recently used
+        return kv
+
+    # -- saving ---------------------------------------------------------------------------------
+    def save(self, ids, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Path | None:
+        """Save prefix ``ids`` with its per-layer keys and values; the entry's folder, or None
+        (with a warning) when it could not be written. An entry already there is kept."""
+        entry = self.root / self.key(ids)
+        if (entry / MANIFEST).is_file():
+            with contextlib.suppress(OSError, ValueError):
+                self._add_length(len(ids))  # (a concurrent saver's list update may have lost it)
+            return entry
+        if entry.exists():  # a folder without its manifest is not an entry: replace it
+            shutil.rmtree(entry, ignore_errors=True)
+        tmp = None
+        try:
+            from safetensors.torch import save_file
+
+            self.root.mkdir(parents=True, exist_ok=True)
+            tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=self.root))
+            tensors = {}
+            for i, (k, v) in enumerate(kv):
+                tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
+                tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
+            save_file(tensors, str(tmp / KV_FILE))
+            manifest = {"identity": self.identity, "tokens": len(ids), "tokens_sha256": tokens_hash(ids),
+                        "layers": len(kv), "bytes": (tmp / KV_FILE).stat().st_size,
+                        "sha256": _file_sha256(tmp / KV_FILE), "saved": time.time()}
+            with open(tmp / MANIFEST, "w") as f:  # written last: an entry without it is not read
+                json.dump(manifest, f)
+                f.flush()
+                os.fsync(f.fileno())
+            try:
+                os.rename(tmp, entry)
+                tmp = None
+            except OSError:
+                if not (entry / MANIFEST).is_file():  # not another process's finished entry
+                    raise
+                # another saver's entry is in place: ours is removed below
+            self._add_length(len(ids))
+            self.evict(keep=entry)
+            return entry
+        except Exception as exc:  # noqa: BLE001  (a cache that cannot be written never fails the task)
+            self.warn(f"document cache: not saved ({_reason(exc)})")
+            return None
+        finally:
+            if tmp is not None:
+                shutil.rmtree(tmp, ignore_errors=True)
+
+    def _add_length(self, n: int) -> None:
+        path = self.root / LENGTHS
+        try:
+            data = json.loads(path.read_text())
+            if not isinstance(data, dict):
+                data = {}
+        except (OSError, ValueError):
+            data = {}
+        lengths = set(data.get(self._ident_hash, []))
+        lengths.add(n)
+        data[self._ident_hash] = sorted(lengths)[-64:]
+        fd, tmp = tempfile.mkstemp(prefix=".lengths-", dir=self.root)
+        with os.fdopen(fd, "w") as f:
+            json.dump(data, f)
+        os.replace(tmp, path)  # atomic: a reader sees the old or the new list
+
+    # -- the folder -------------------------------------------------------------------------------
+    def entries(self) -> list[tuple[Path, int, float]]:
+        """(folder, bytes, last use) of every finished entry, least recently used first."""
+        return list_entries(self.root)
+
+    def evict(self, keep: Path | None = None) -> int:
+        """Remove least recently used entries until the folder fits its cap; return how many."""
+        if not self.max_bytes:
+            return 0
+        items = self.entries()
+        total = sum(b for _, b, _ in items)
+        removed = 0
+        for path, size, _ in items:
+            if total <= self.max_bytes:
+                break
+            if keep is not None and path == keep:
+                continue
+            shutil.rmtree(path, ignore_errors=True)
+            total -= size
+            removed += 1
+        return removed
+
+
+def list_entries(root: Path) -> list[tuple[Path, int, float]]:
+    """(folder, bytes, last use) of the finished entries under ``root``, least recently used first."""
+    out = []
+    if not Path(root).is_dir():
+        return out
+    for d in Path(root).iterdir():
+        m = d / MANIFEST
+        if d.is_dir() and not d.name.startswith(".") and m.is_file():
+            with contextlib.suppress(OSError):
+                out.append((d, _dir_bytes(d), m.stat().st_mtime))
+    return sorted(out, key=lambda e: e[2])
+
+
+def _reason(exc: Exception) -> str:
+    text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+    return text[:160]

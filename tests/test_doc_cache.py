@@ -1,0 +1,191 @@
+"""The document cache: a prefix's prefill saved, loaded by a later run with the same output,
+and every way an entry can be unusable (other model or settings, corrupt, truncated, another
+format) costing a warning and a normal prefill; concurrent savers; the size cap."""
+
+from __future__ import annotations
+
+import json
+import threading
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.doc_cache import KV_FILE, LENGTHS, MANIFEST, DocCache, list_entries
+from icecache.generation import Session
+from tests.test_pinned import SETTINGS, tiny_model
+
+PREFIX = 200  # the shared part of the prompts below
+
+
+@pytest.fixture(scope="module")
+def loaded():
+    return SimpleNamespace(model=tiny_model(), tokenizer=SimpleNamespace(eos_token_id=None))
+
+
+def prompt(question: int = 0) -> list[int]:
+    doc = np.random.default_rng(5).integers(0, 97, PREFIX).tolist()
+    return doc + np.random.default_rng(100 + question).integers(0, 97, 40).tolist()
+
+
+def run(loaded, method: str, root, question: int = 0, warnings: list | None = None, settings=SETTINGS):
+    settings = settings.replace(doc_cache=str(root), doc_cache_min_tokens=64)
+    session = Session(loaded, settings, method)
+    session.doc_cache = DocCache(root, loaded.model, settings, warn=(warnings if warnings is not None else []).append)
+    session.doc_min_tokens = settings.doc_cache_min_tokens
+    tokens, stats = session.generate(prompt(question), 12, prefix=PREFIX)
+    return tokens, stats
+
+
+@pytest.mark.parametrize("method", ["full", "dense", "ice", "ice-reuse", "quest"])
+def test_second_run_loads_the_prefix_and_answers_the_same(loaded, tmp_path, method):
+    first, s1 = run(loaded, method, tmp_path)
+    assert s1.prefix_cached_tokens == 0 and s1.tokens_prefilled == PREFIX + 40
+    assert len(list_entries(tmp_path)) == 1
+    second, s2 = run(loaded, method, tmp_path)
+    assert s2.prefix_cached_tokens == PREFIX and s2.tokens_prefilled == 40
+    assert second == first
+    # another question over the same document loads it too
+    _, s3 = run(loaded, method, tmp_path, question=1)
+    assert s3.prefix_cached_tokens == PREFIX
+
+
+def test_one_entry_serves_every_method(loaded, tmp_path):
+    """A full prefill is the same computation for every method: full's entry serves ice."""
+    run(loaded, "full", tmp_path)
+    want, _ = run(loaded, "ice", tmp_path / "other")
+    got, stats = run(loaded, "ice", tmp_path)
+    assert stats.prefix_cached_tokens == PREFIX and got == want
+
+
+def test_other_settings_or_model_do_not_match(loaded, tmp_path):
+    run(loaded, "full", tmp_path)
+    _, stats = run(loaded, "full", tmp_path, settings=SETTINGS.replace(chunk_size=32))
+    assert stats.prefix_cached_tokens == 0  # the chunking shapes the KV: its own entry
+    assert len(list_entries(tmp_path)) == 2
+    other = SimpleNamespace(model=tiny_model(), tokenizer=loaded.tokenizer)
+    other.model.config.rms_norm_eps = 1e-3  # other weights or configuration
+    _, stats = run(other, "full", tmp_path)
+    assert stats.prefix_cached_tokens == 0
+
+
+def test_sparse_prefill_and_snapkv_are_not_cached(loaded, tmp_path):
+    _, stats = run(loaded, "ice", tmp_path, settings=SETTINGS.replace(prefill="sparse"))
+    _, stats2 = run(loaded, "snapkv", tmp_path)
+    assert stats.prefix_cached_tokens == stats2.prefix_cached_tokens == 0
+    assert list_entries(tmp_path) == []
+
+
+def _entry(root):
+    (entry, _, _), = list_entries(root)
+    return entry
+
+
+@pytest.mark.parametrize("damage", ["corrupt", "truncate", "format", "tokens", "manifest"])
+def test_unusable_entry_is_rebuilt_with_a_warning(loaded, tmp_path, damage):
+    first, _ = run(loaded, "ice", tmp_path)
+    entry = _entry(tmp_path)
+    kv, manifest = entry / KV_FILE, entry / MANIFEST
+    data = bytearray(kv.read_bytes())
+    if damage == "corrupt":
+        data[len(data) // 2] ^= 0xFF
+        kv.write_bytes(bytes(data))
+    elif damage == "truncate":
+        kv.write_bytes(bytes(data[: len(data) // 3]))
+    elif damage in ("format", "tokens"):
+        m = json.loads(manifest.read_text())
+        if damage == "format":
+            m["identity"]["format"] = 999
+        else:
+            m["tokens_sha256"] = "0" * 64
+        manifest.write_text(json.dumps(m))
+    else:
+        manifest.write_text("{not json")
+    warnings: list[str] = []
+    again, stats = run(loaded, "ice", tmp_path, warnings=warnings)
+    assert stats.prefix_cached_tokens == 0 and again == first
+    assert len(warnings) == 1 and "not used" in warnings[0]
+    _, stats = run(loaded, "ice", tmp_path)  # rebuilt by the run that rejected it
+    assert stats.prefix_cached_tokens == PREFIX
+
+
+def test_unwritable_folder_warns_and_the_task_goes_on(loaded, tmp_path):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    warnings: list[str] = []
+    tokens, stats = run(loaded, "full", blocker / "cache", warnings=warnings)
+    assert len(tokens) == 12 and stats.prefix_cached_tokens == 0
+    assert len(warnings) == 1 and warnings[0].startswith("document cache: not saved")
+
+
+def test_concurrent_savers_leave_one_good_entry(loaded, tmp_path):
+    ids = prompt()[:PREFIX]
+    kv = [(torch.randn(1, 2, PREFIX, 16), torch.randn(1, 2, PREFIX, 16)) for _ in range(4)]
+    caches = [DocCache(tmp_path, loaded.model, SETTINGS) for _ in range(4)]
+    start = threading.Barrier(4)
+    done = []
+
+    def save(c):
+        start.wait()
+        done.append(c.save(ids, kv))
+
+    threads = [threading.Thread(target=save, args=(c,)) for c in caches]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(d is not None for d in done)
+    got = caches[0].load(ids, "cpu")
+    assert got is not None and all(torch.equal(a, b) for (a, _), (b, _) in zip(got, kv, strict=True))
+    assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no leftovers
+    assert len(list_entries(tmp_path)) == 1
+
+
+def test_least_recently_used_entries_go_beyond_the_cap(loaded, tmp_path):
+    def kv(seed):
+        g = torch.Generator().manual_seed(seed)
+        return [(torch.randn(1, 2, 100, 16, generator=g), torch.randn(1, 2, 100, 16, generator=g))]
+
+    probe = DocCache(tmp_path / "probe", loaded.model, SETTINGS)
+    size = list_entries(probe.root) if probe.save(list(range(100)), kv(0)) else []
+    one = size[0][1]
+    cache = DocCache(tmp_path / "c", loaded.model, SETTINGS, max_bytes=int(2.5 * one))
+    docs = [list(range(s, s + 100)) for s in (1, 2, 3)]
+    cache.save(docs[0], kv(1))
+    cache.save(docs[1], kv(2))
+    assert cache.load(docs[0], "cpu") is not None  # docs[0] used again: docs[1] is the oldest now
+    import os
+    import time
+
+    old = time.time() - 100
+    os.utime(cache.root / cache.key(docs[1]) / MANIFEST, (old, old))
+    cache.save(docs[2], kv(3))
+    kept = {p.name for p, _, _ in list_entries(cache.root)}
+    assert kept == {cache.key(docs[0]), cache.key(docs[2])}
+    assert json.loads((cache.root / LENGTHS).read_text())  # the lengths index is there
+
+
+def test_cli_second_run_loads_the_document(tmp_path):
+    """`icecache qa` twice over the example report with --doc-cache: the second run loads the
+    document's prefill (--stats says how many tokens) and answers the same; --no-doc-cache
+    neither loads nor saves."""
+    from tests.conftest import EXAMPLE, run_cli
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text("doc_cache_min_tokens: 256\n")
+    cache = tmp_path / "docs"
+    args = ["qa", str(EXAMPLE), "-q", "Who wrote the report?", "--profile", str(profile),
+            "--max-new-tokens", "8", "--json", "--stats", "--doc-cache", str(cache)]
+    runs = [run_cli(args) for _ in range(2)]
+    for r in runs:
+        assert r.returncode == 0, r.stderr.decode()
+    stats = [json.loads(r.stderr.decode().strip().splitlines()[-1]) for r in runs]
+    assert stats[0]["prefix_cached_tokens"] == 0 and stats[1]["prefix_cached_tokens"] > 256
+    out = [json.loads(r.stdout) for r in runs]
+    assert out[1]["output"] == out[0]["output"] and out[1]["prefix_cached_tokens"] == stats[1]["prefix_cached_tokens"]
+    assert "document cache:" in runs[1].stderr.decode()
+    off = run_cli([*args[:-2], "--no-doc-cache", "--doc-cache", str(tmp_path / "unused")])
+    assert off.returncode == 0
+    assert json.loads(off.stderr.decode().strip().splitlines()[-1])["prefix_cached_tokens"] == 0
+    assert not (tmp_path / "unused").exists()
