@@ -1,8 +1,7 @@
 """A document's prefill kept on disk: ask about it again without prefilling it again.
 
-An entry holds the keys and values of every layer for a prompt prefix (the prompt up to the end of
-the document, which a summary and any question about the same document share), as a full
-prefill computes them, and a JSON manifest:
+An entry holds the state of a prompt prefix (the prompt up to the end of the document, which a
+summary and any question about the same document share) and a JSON manifest:
 
     <root>/<key>/manifest.json   format, model identity, the settings that shape the KV, the
                                  prefix's length and token hash, size and SHA-256 of the tensors
@@ -15,9 +14,9 @@ goes wrong (a truncated or corrupt file, another format, a read-only or full dis
 warning line and a normal prefill, never the task. Least recently used entries go when the
 folder outgrows its cap.
 
-What is cached: the full prefill (the prompt within the model's trained context on CPU, and
-every GPU run the profile prefills in full). A sparse prefill's state (host store, index, window)
-is not saved yet.
+Two kinds of entry: a full prefill's keys and values (the same for every method), and a sparse
+prefill's whole cache state (:mod:`icecache.cache.state`), for one method and its exact settings
+(:meth:`DocCache.with_kind`).
 """
 
 from __future__ import annotations
@@ -102,6 +101,15 @@ class DocCache:
                          **{k: getattr(settings, k) for k in SHAPING}}
         self._ident_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
+    def with_kind(self, kind: dict) -> DocCache:
+        """The same folder for entries of another kind (``kind`` joins the identity: a sparse
+        prefill's state depends on the method and every setting of the run)."""
+        twin = DocCache.__new__(DocCache)
+        twin.root, twin.max_bytes, twin.warn = self.root, self.max_bytes, self.warn
+        twin.identity = {**self.identity, "kind": kind}
+        twin._ident_hash = hashlib.sha256(json.dumps(twin.identity, sort_keys=True, default=str).encode()).hexdigest()
+        return twin
+
     def key(self, ids) -> str:
         return hashlib.sha256(f"{self._ident_hash}:{len(ids)}:{tokens_hash(ids)}".encode()).hexdigest()[:32]
 
@@ -123,12 +131,28 @@ class DocCache:
     def load(self, ids, device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
         """The saved keys and values of prefix ``ids`` (per layer), or None (with a warning and the
         entry removed when it exists but cannot be used)."""
+        got = self.load_entry(ids, device, self._check_kv)
+        if got is None:
+            return None
+        manifest, tensors = got
+        return [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(manifest["layers"])]
+
+    @staticmethod
+    def _check_kv(manifest: dict, tensors: dict, ids) -> None:
+        kv = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(manifest["layers"])]
+        if any(k.shape[2] != len(ids) or v.shape[2] != len(ids) for k, v in kv):
+            raise ValueError("its tensors hold another number of tokens")
+
+    def load_entry(self, ids, device, check=None) -> tuple[dict, dict[str, torch.Tensor]] | None:
+        """The manifest and tensors saved for prefix ``ids`` (``check(manifest, tensors, ids)``
+        may reject them by raising), or None, with a warning and the entry removed when it exists
+        but cannot be used."""
         entry = self.root / self.key(ids)
         if not (entry / MANIFEST).is_file():
             return None
         try:
             manifest = json.loads((entry / MANIFEST).read_text())
-            if manifest.get("identity") != self.identity or manifest.get("tokens") != len(ids) \
+            if json.loads(json.dumps(manifest.get("identity"))) != json.loads(json.dumps(self.identity, default=str)) or manifest.get("tokens") != len(ids) \
                     or manifest.get("tokens_sha256") != tokens_hash(ids):
                 raise ValueError("it was saved for another model, settings or prompt")
             path = entry / KV_FILE
@@ -137,21 +161,31 @@ class DocCache:
             from safetensors.torch import load_file
 
             tensors = load_file(str(path), device=str(device))
-            kv = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(manifest["layers"])]
-            if any(k.shape[2] != len(ids) or v.shape[2] != len(ids) for k, v in kv):
-                raise ValueError("its tensors hold another number of tokens")
+            if check is not None:
+                check(manifest, tensors, ids)
         except Exception as exc:  # noqa: BLE001  (any unreadable entry is rebuilt, never fatal)
             self.warn(f"document cache: entry {entry.name} not used ({_reason(exc)}); prefilling again")
             shutil.rmtree(entry, ignore_errors=True)
             return None
         with contextlib.suppress(OSError):
             os.utime(entry / MANIFEST)  # recently used
-        return kv
+        return manifest, tensors
 
     # -- saving ---------------------------------------------------------------------------------
     def save(self, ids, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Path | None:
         """Save prefix ``ids`` with its per-layer keys and values; the entry's folder, or None
         (with a warning) when it could not be written. An entry already there is kept."""
+        def tensors():
+            out = {}
+            for i, (k, v) in enumerate(kv):
+                out[f"k.{i}"] = k.detach().to("cpu").contiguous()
+                out[f"v.{i}"] = v.detach().to("cpu").contiguous()
+            return out
+
+        return self.save_entry(ids, tensors, {"layers": len(kv)})
+
+    def save_entry(self, ids, tensors: Callable[[], dict], extra: dict) -> Path | None:
+        """Save prefix ``ids`` with the tensors ``tensors()`` gives and ``extra`` in the manifest."""
         entry = self.root / self.key(ids)
         if (entry / MANIFEST).is_file():
             with contextlib.suppress(OSError, ValueError):
@@ -165,16 +199,12 @@ class DocCache:
 
             self.root.mkdir(parents=True, exist_ok=True)
             tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=self.root))
-            tensors = {}
-            for i, (k, v) in enumerate(kv):
-                tensors[f"k.{i}"] = k.detach().to("cpu").contiguous()
-                tensors[f"v.{i}"] = v.detach().to("cpu").contiguous()
-            save_file(tensors, str(tmp / KV_FILE))
+            save_file(tensors(), str(tmp / KV_FILE))
             manifest = {"identity": self.identity, "tokens": len(ids), "tokens_sha256": tokens_hash(ids),
-                        "layers": len(kv), "bytes": (tmp / KV_FILE).stat().st_size,
+                        **extra, "bytes": (tmp / KV_FILE).stat().st_size,
                         "sha256": _file_sha256(tmp / KV_FILE), "saved": time.time()}
             with open(tmp / MANIFEST, "w") as f:  # written last: an entry without it is not read
-                json.dump(manifest, f)
+                json.dump(manifest, f, default=str)
                 f.flush()
                 os.fsync(f.fileno())
             try:

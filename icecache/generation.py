@@ -276,9 +276,11 @@ class Session:
         t0 = time.perf_counter()
         run = self.run_settings
         cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids) - start)
-        save_at = self._cacheable_prefix(prefix, start, cut)
-        saved = self._load_prefix(ids, save_at, start) if save_at else None
-        if saved is not None:
+        save_at, dc = self._doc_plan(prefix, start, cut, len(ids))
+        if save_at and save_at >= cut:
+            cut = save_at  # a sparse prefill: the prompt after the document runs as decode steps
+        saved = self._load_prefix(ids, save_at, start, cut, dc) if save_at else False
+        if saved:
             start = stats.prefix_cached_tokens = len(self.cached_ids)
             if start == save_at:
                 save_at = 0  # (already saved)
@@ -295,7 +297,7 @@ class Session:
             logits = self.forward(ids[lo:hi])
             report("prefill", hi - first, len(ids) - first)
             if save_at and hi == save_at:
-                self.doc_cache.save(ids[:save_at], [(layer.keys, layer.values) for layer in self.cache.layers])
+                self._save_prefix(ids[:save_at], dc)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         stats.prefill_seconds = time.perf_counter() - t0
@@ -304,37 +306,81 @@ class Session:
             return None, stats
         return self.finish_prefill(stats), stats
 
-    def _cacheable_prefix(self, prefix: int, start: int, cut: int) -> int:
-        """Where this run's prompt may be saved to / loaded from the document cache (0: not):
-        a shared prefix of at least ``doc_min_tokens`` that a full prefill computes (true
-        positions; methods whose prefill state is the dense KV alone: not SnapKV, which also
-        votes with the prompt's last queries)."""
+    # The most prompt tokens after a document that a sparse prefill with the document cache runs
+    # as decode steps (so that the saved state ends where the document does).
+    DOC_TAIL_MAX = 256
+
+    def _doc_plan(self, prefix: int, start: int, cut: int, total: int):
+        """Where this run's prompt is saved to / loaded from the document cache, and the cache's
+        view for it: (0, None) when not. A full prefill's entry is the dense KV of the shared
+        prefix (the same for every method); a sparse prefill's is the cache's whole state (host
+        store, index, window: :mod:`.cache.state`), for this method and these exact settings.
+        Not for SnapKV (its selection also votes with the prompt's last queries) nor remapped
+        positions in a full prefill."""
+        import dataclasses
+
         from .methods import get
 
         run, m = self.run_settings, get(self.method)
-        if (self.doc_cache is None or prefix < max(1, self.doc_min_tokens) or prefix <= start or prefix >= cut
-                or run.prefill != "full" or run.positions != "true" or m.selector == "snapkv"):
-            return 0
-        return prefix
+        if (self.doc_cache is None or prefix < max(1, self.doc_min_tokens) or prefix <= start
+                or prefix >= total or m.selector == "snapkv"):
+            return 0, None
+        if run.prefill == "full":
+            if run.positions != "true" or prefix >= cut:
+                return 0, None
+            return prefix, self.doc_cache
+        if m.cache != "paged" or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
+            return 0, None
+        kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run),
+                "prompt_tail": prefix >= cut}
+        return prefix, self.doc_cache.with_kind(kind)
 
-    def _load_prefix(self, ids: list[int], limit: int, start: int):
+    def _save_prefix(self, ids: list[int], dc) -> None:
+        if dc is self.doc_cache:  # a full prefill: every layer's keys and values
+            dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers])
+            return
+        from .cache.state import save_layers
+
+        try:
+            skeleton, tensors = save_layers(self.cache)
+        except Exception as exc:  # noqa: BLE001  (an unsaveable state never fails the task)
+            dc.warn(f"document cache: not saved ({exc})")
+            return
+        dc.save_entry(ids, lambda: tensors, {"skeleton": skeleton})
+
+    def _load_prefix(self, ids: list[int], limit: int, start: int, cut: int, dc) -> bool:
         """Load the longest saved prefix of ``ids`` (at most ``limit`` tokens, more than the
-        ``start`` tokens already cached) into a fresh cache; None when there is none."""
-        n = self.doc_cache.find(ids, limit)
+        ``start`` tokens already cached) into a fresh cache; False when there is none."""
+        n = dc.find(ids, limit)
         if n <= start:
-            return None
-        kv = self.doc_cache.load(ids[:n], self.loaded.model.device)
-        if kv is None:
-            return None
-        self.cache = self._new_cache(len(ids))
-        run = self.run_settings
-        cut = len(ids) - tail_steps(run.prefill, run.prefill_queries, len(ids))
-        if hasattr(self.cache, "begin_prefill"):
-            self.cache.begin_prefill(cut, tail=len(ids) - cut)
-        for i, (k, v) in enumerate(kv):
-            self.cache.update(k, v, i)
+            return False
+        device = self.loaded.model.device
+        if dc is self.doc_cache:
+            kv = dc.load(ids[:n], device)
+            if kv is None:
+                return False
+            self.cache = self._new_cache(len(ids))
+            if hasattr(self.cache, "begin_prefill"):
+                self.cache.begin_prefill(cut, tail=len(ids) - cut)
+            for i, (k, v) in enumerate(kv):
+                self.cache.update(k, v, i)
+        else:
+            from .cache.state import load_layers
+
+            got = dc.load_entry(ids[:n], "cpu")
+            if got is None:
+                return False
+            cache = self._new_cache(len(ids))
+            try:
+                load_layers(cache, got[0]["skeleton"], got[1])
+            except Exception as exc:  # noqa: BLE001
+                dc.warn(f"document cache: entry not used ({exc}); prefilling again")
+                self.cache = self._new_cache(len(ids))
+                return False
+            self.cache = cache
+            self.cache.begin_prefill(cut - n, tail=len(ids) - cut)
         self.cached_ids = list(ids[:n])
-        return kv
+        return True
 
     @torch.inference_mode()
     def finish_prefill(self, stats: GenerationStats | None = None) -> torch.Tensor:

@@ -70,11 +70,66 @@ def test_other_settings_or_model_do_not_match(loaded, tmp_path):
     assert stats.prefix_cached_tokens == 0
 
 
-def test_sparse_prefill_and_snapkv_are_not_cached(loaded, tmp_path):
-    _, stats = run(loaded, "ice", tmp_path, settings=SETTINGS.replace(prefill="sparse"))
+def test_snapkv_is_not_cached(loaded, tmp_path):
+    _, stats = run(loaded, "snapkv", tmp_path)
     _, stats2 = run(loaded, "snapkv", tmp_path)
     assert stats.prefix_cached_tokens == stats2.prefix_cached_tokens == 0
     assert list_entries(tmp_path) == []
+
+
+def run_sparse(loaded, method, root, changes, question_tokens):
+    settings = SETTINGS.replace(prefill="sparse", doc_cache=str(root), doc_cache_min_tokens=64, **changes)
+    session = Session(loaded, settings, method)
+    session.doc_cache = DocCache(root, loaded.model, settings)
+    session.doc_min_tokens = 64
+    ids = prompt()[: PREFIX + question_tokens]
+    tokens, stats = session.generate(ids, 12, prefix=PREFIX)
+    pages = [[p.tolist() for p in layer.selected] for layer in session.cache.ice_layers()]
+    return tokens, stats, pages
+
+
+@pytest.mark.parametrize("question_tokens", [40, 5])  # after the document: chunks + tail, or tail only
+@pytest.mark.parametrize("method,changes", [
+    ("ice", {}), ("ice", {"positions": "remap"}), ("ice-reuse", {"reuse_every": 2}),
+    ("quest", {}), ("streaming", {}), ("ice", {"pipeline": False}),
+])
+def test_sparse_prefill_state_round_trip(loaded, tmp_path, method, changes, question_tokens):
+    """A sparse prefill's whole cache state (host store, index, window, pool) is saved at the
+    document's end; a later run restores it and continues exactly as the saving run did."""
+    first, s1, pages1 = run_sparse(loaded, method, tmp_path, changes, question_tokens)
+    assert s1.prefix_cached_tokens == 0 and len(list_entries(tmp_path)) == 1
+    second, s2, pages2 = run_sparse(loaded, method, tmp_path, changes, question_tokens)
+    assert s2.prefix_cached_tokens == PREFIX and s2.tokens_prefilled == question_tokens
+    assert second == first and pages2 == pages1
+    # another budget or chunking is another entry (the state depends on every setting)
+    _, s3, _ = run_sparse(loaded, method, tmp_path, {**changes, "chunk_size": 32}, question_tokens)
+    assert s3.prefix_cached_tokens == 0
+
+
+def test_state_of_a_cache_saves_and_restores_exactly(loaded):
+    """save_layers / load_layers alone: a restored copy of a prefilled cache decodes exactly as
+    the original (tokens and selected pages at every step)."""
+    from icecache.cache.state import load_layers, save_layers
+    from icecache.methods import make_cache
+
+    settings = SETTINGS.replace(prefill="sparse")
+    model = loaded.model
+    ids = prompt()
+    with torch.inference_mode():
+        cache = make_cache("ice", model, settings)
+        cache.begin_prefill(len(ids))
+        for lo in range(0, len(ids), settings.chunk_size):
+            model(input_ids=torch.tensor([ids[lo : lo + settings.chunk_size]]), past_key_values=cache, use_cache=True)
+        skeleton, tensors = save_layers(cache)
+        json.dumps(skeleton)  # JSON as it is
+        twin = make_cache("ice", model, settings)
+        load_layers(twin, skeleton, tensors)
+        for t in [3, 14, 15, 92, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]:
+            a = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
+            b = model(input_ids=torch.tensor([[t]]), past_key_values=twin, use_cache=True).logits
+            assert torch.equal(a, b)
+            assert [[p.tolist() for p in x.selected] for x in cache.ice_layers()] == \
+                [[p.tolist() for p in x.selected] for x in twin.ice_layers()]
 
 
 def _entry(root):
