@@ -152,6 +152,18 @@ class Runner:
         text = self.loaded.tokenizer.decode(tokens, skip_special_tokens=True).strip()
         return text, stats
 
+    def prefill_document(self, document: str, on_progress: Progress | None = None) -> GenerationStats:
+        """Prefill ``document`` into the document cache without generating (``icecache
+        prefill``): the prompt a summary would have, up to where every prompt over the document
+        agrees. Stats say whether it was loaded (already saved) instead."""
+        ids = prompts.render(self.loaded.tokenizer, prompts.summarize_messages(document))
+        self._check_fits(ids, document, 1)
+        prefix = prompts.document_prefix(self.loaded.tokenizer, document) if self.session.doc_cache else 0
+        self.session.new_tokens = 1
+        _, stats = self.session.prefill(ids, on_progress, hold_tail=True, prefix=prefix)
+        self.session._pending = None  # the prompt's end is not needed
+        return stats
+
     def _result(self, task: str, output: Any, stats: list[GenerationStats], t0: float, **kw) -> TaskResult:
         return TaskResult(
             task=task,

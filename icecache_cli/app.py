@@ -17,7 +17,7 @@ import typer
 
 from icecache import __version__
 
-from . import batch, bench, evaluate, profiles, tasks
+from . import batch, bench, doccache, evaluate, profiles, tasks
 from .options import method_lines
 from .output import error, silence_stdout
 
@@ -34,6 +34,8 @@ for command in (tasks.summarize, tasks.qa, tasks.cot):
 app.command()(profiles.profiles)
 app.command("eval")(evaluate.evaluate)
 app.command()(batch.batch)
+app.command()(doccache.prefill)
+app.add_typer(doccache.cache_app, name="cache")
 app.add_typer(bench.bench_app, name="bench")
 
 

@@ -244,3 +244,32 @@ def test_cli_second_run_loads_the_document(tmp_path):
     assert off.returncode == 0
     assert json.loads(off.stderr.decode().strip().splitlines()[-1])["prefix_cached_tokens"] == 0
     assert not (tmp_path / "unused").exists()
+
+
+def test_cli_prefill_list_and_clear(tmp_path):
+    """`icecache prefill` saves a document without generating (a second time: already cached);
+    a later qa loads it; `cache list` shows the entry; `cache clear --older-than` keeps a fresh
+    one, `cache clear` removes it."""
+    from tests.conftest import EXAMPLE, run_cli
+
+    profile = tmp_path / "p.yaml"
+    profile.write_text("doc_cache_min_tokens: 256\n")
+    cache = tmp_path / "docs"
+    where = ["--profile", str(profile), "--doc-cache", str(cache)]
+    rows = []
+    for _ in range(2):
+        r = run_cli(["prefill", str(EXAMPLE), *where, "--json"])
+        assert r.returncode == 0, r.stderr.decode()
+        rows.append(json.loads(r.stdout))
+    assert [x["status"] for x in rows] == ["saved", "already cached"]
+    r = run_cli(["qa", str(EXAMPLE), "-q", "Who wrote it?", "--max-new-tokens", "4", "--stats", "--json", *where])
+    assert r.returncode == 0 and json.loads(r.stderr.decode().strip().splitlines()[-1])["prefix_cached_tokens"] > 256
+    listed = run_cli(["cache", "list", "--doc-cache", str(cache), "--json"])
+    entries = [json.loads(line) for line in listed.stdout.decode().splitlines()]
+    assert listed.returncode == 0 and len(entries) == 1 and entries[0]["tokens"] > 256
+    assert run_cli(["cache", "clear", "--doc-cache", str(cache), "--older-than", "1"]).returncode == 0
+    assert len(list_entries(cache)) == 1  # used just now
+    assert run_cli(["cache", "clear", "--doc-cache", str(cache)]).returncode == 0
+    assert list_entries(cache) == []
+    off = run_cli(["prefill", str(EXAMPLE), "--no-doc-cache"])
+    assert off.returncode == 2 and b"--no-doc-cache" in off.stderr
