@@ -198,6 +198,7 @@ class DocCache:
             from safetensors.torch import save_file
 
             self.root.mkdir(parents=True, exist_ok=True)
+            self._remove_stale_saves()
             tmp = Path(tempfile.mkdtemp(prefix=".saving-", dir=self.root))
             save_file(tensors(), str(tmp / KV_FILE))
             manifest = {"identity": self.identity, "tokens": len(ids), "tokens_sha256": tokens_hash(ids),
@@ -223,6 +224,15 @@ class DocCache:
         finally:
             if tmp is not None:
                 shutil.rmtree(tmp, ignore_errors=True)
+
+    STALE_SAVE_S = 6 * 3600  # a save this old without its rename: its process died (kill -9)
+
+    def _remove_stale_saves(self) -> None:
+        now = time.time()
+        for p in self.root.glob(".saving-*"):
+            with contextlib.suppress(OSError):
+                if now - p.stat().st_mtime > self.STALE_SAVE_S:
+                    shutil.rmtree(p, ignore_errors=True)
 
     def _add_length(self, n: int) -> None:
         path = self.root / LENGTHS

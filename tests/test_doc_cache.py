@@ -273,3 +273,41 @@ def test_cli_prefill_list_and_clear(tmp_path):
     assert list_entries(cache) == []
     off = run_cli(["prefill", str(EXAMPLE), "--no-doc-cache"])
     assert off.returncode == 2 and b"--no-doc-cache" in off.stderr
+
+
+SAVER = """
+import sys, torch
+from types import SimpleNamespace
+from icecache.doc_cache import DocCache
+from tests.test_pinned import SETTINGS, tiny_model
+kv = [(torch.randn(1, 8, 4000, 256), torch.randn(1, 8, 4000, 256)) for _ in range(6)]
+print("saving", flush=True)
+DocCache(sys.argv[1], tiny_model(), SETTINGS).save(list(range(4000)), kv)
+"""
+
+
+def test_killed_saver_leaves_nothing_a_later_run_trips_on(loaded, tmp_path):
+    """kill -9 during a save: no entry appears half-written; a later save and load work, and
+    an old unfinished save is cleared by the next save."""
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from tests.conftest import REPO
+
+    root = tmp_path / "c"
+    proc = subprocess.Popen([sys.executable, "-c", SAVER, str(root)], cwd=REPO, stdout=subprocess.PIPE)
+    assert proc.stdout.readline().strip() == b"saving"
+    time.sleep(0.5)  # the save (about 400 MB) under way
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    for _ in list_entries(root):  # a visible entry is a whole one, whatever the kill interrupted
+        assert DocCache(root, loaded.model, SETTINGS).load(list(range(4000)), "cpu") is not None
+    for p in root.glob(".saving-*"):  # an unfinished save from long ago ...
+        os.utime(p, (time.time() - 7 * 3600,) * 2)
+    first, _ = run(loaded, "ice", root)
+    again, stats = run(loaded, "ice", root)
+    assert stats.prefix_cached_tokens == PREFIX and again == first
+    assert list(root.glob(".saving-*")) == []  # ... is gone after the next save
