@@ -331,8 +331,9 @@ class Session:
             return prefix, self.doc_cache
         if m.cache != "paged" or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
             return 0, None
-        kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run),
-                "prompt_tail": prefix >= cut}
+        # (the state at the document's end does not depend on what follows it: one entry serves a
+        # summary and questions of any length)
+        kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run)}
         return prefix, self.doc_cache.with_kind(kind)
 
     def _save_prefix(self, ids: list[int], dc) -> None:

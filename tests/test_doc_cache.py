@@ -104,6 +104,12 @@ def test_sparse_prefill_state_round_trip(loaded, tmp_path, method, changes, ques
     # another budget or chunking is another entry (the state depends on every setting)
     _, s3, _ = run_sparse(loaded, method, tmp_path, {**changes, "chunk_size": 32}, question_tokens)
     assert s3.prefix_cached_tokens == 0
+    # the entry serves a prompt whose part after the document is of the other kind (chunks and
+    # steps, or steps only), and continues as a fresh run would
+    other = 45 - question_tokens
+    want, _, _ = run_sparse(loaded, method, tmp_path / "fresh", changes, other)
+    got, s4, _ = run_sparse(loaded, method, tmp_path, changes, other)
+    assert s4.prefix_cached_tokens == PREFIX and got == want
 
 
 def test_state_of_a_cache_saves_and_restores_exactly(loaded):
