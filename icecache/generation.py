@@ -331,9 +331,11 @@ class Session:
             return prefix, self.doc_cache
         if m.cache != "paged" or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
             return 0, None
-        # (the state at the document's end does not depend on what follows it: one entry serves a
-        # summary and questions of any length)
-        kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run)}
+        # The state at the document's end depends neither on what follows it (one entry serves a
+        # summary and questions of any length) nor on the decode budget while that fits in the
+        # chunks' pool (``IceCache.forked``'s rule: the same pool size): pages are re-selected.
+        budget = 0 if run.budget <= run.prefill_budget and m.selector != "snapkv" else run.budget
+        kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run.replace(budget=budget))}
         return prefix, self.doc_cache.with_kind(kind)
 
     def _save_prefix(self, ids: list[int], dc) -> None:

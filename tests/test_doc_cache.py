@@ -112,6 +112,17 @@ def test_sparse_prefill_state_round_trip(loaded, tmp_path, method, changes, ques
     assert s4.prefix_cached_tokens == PREFIX and got == want
 
 
+def test_sparse_state_serves_another_budget_within_the_chunks_pool(loaded, tmp_path):
+    """Pages are re-selected at each step: an entry saved at one budget serves another that
+    keeps the chunks' pool size (budget <= prefill_budget), as a fresh run at that budget."""
+    run_sparse(loaded, "ice", tmp_path, {}, 40)  # budget 16 = prefill_budget
+    want, _, _ = run_sparse(loaded, "ice", tmp_path / "fresh", {"budget": 8}, 40)
+    got, stats, _ = run_sparse(loaded, "ice", tmp_path, {"budget": 8}, 40)
+    assert stats.prefix_cached_tokens == PREFIX and got == want
+    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"budget": 32}, 40)  # a larger pool: its own
+    assert stats.prefix_cached_tokens == 0
+
+
 def test_state_of_a_cache_saves_and_restores_exactly(loaded):
     """save_layers / load_layers alone: a restored copy of a prefilled cache decodes exactly as
     the original (tokens and selected pages at every step)."""
