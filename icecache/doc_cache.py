@@ -34,6 +34,8 @@ from typing import Any
 
 import torch
 
+from .models import cache_root, file_digest
+
 FORMAT = 1
 KV_FILE, MANIFEST = "kv.safetensors", "manifest.json"
 LENGTHS = "lengths.json"
@@ -49,8 +51,6 @@ def default_root() -> Path:
     env = os.environ.get("ICECACHE_DOC_CACHE")
     if env and env not in ("off", "0"):
         return Path(env)
-    from .models import cache_root
-
     return cache_root() / "documents"
 
 
@@ -75,14 +75,6 @@ def model_identity(model: Any) -> dict:
 
 def tokens_hash(ids) -> str:
     return hashlib.sha256(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
-
-
-def _file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 22), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _dir_bytes(path: Path) -> int:
@@ -156,7 +148,7 @@ class DocCache:
                     or manifest.get("tokens_sha256") != tokens_hash(ids):
                 raise ValueError("it was saved for another model, settings or prompt")
             path = entry / KV_FILE
-            if path.stat().st_size != manifest["bytes"] or _file_sha256(path) != manifest["sha256"]:
+            if path.stat().st_size != manifest["bytes"] or file_digest(path) != manifest["sha256"]:
                 raise ValueError("its tensors do not match their checksum")
             from safetensors.torch import load_file
 
@@ -203,7 +195,7 @@ class DocCache:
             save_file(tensors(), str(tmp / KV_FILE))
             manifest = {"identity": self.identity, "tokens": len(ids), "tokens_sha256": tokens_hash(ids),
                         **extra, "bytes": (tmp / KV_FILE).stat().st_size,
-                        "sha256": _file_sha256(tmp / KV_FILE), "saved": time.time()}
+                        "sha256": file_digest(tmp / KV_FILE), "saved": time.time()}
             with open(tmp / MANIFEST, "w") as f:  # written last: an entry without it is not read
                 json.dump(manifest, f, default=str)
                 f.flush()
