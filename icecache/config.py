@@ -47,6 +47,9 @@ class Settings:
     host_memory_gib: float = 16.0
     cpu_threads: int = 0  # 0: one per core
     dtype: str = "float32"
+    # the linear layers' weights: "float" (the model's dtype) or "int8" (one scale per output
+    # channel, activations in dtype; icecache.weights)
+    weights: str = "float"
     page_size: int = 16
     budget: int = 256
     sink_pages: int = 2
@@ -68,6 +71,9 @@ class Settings:
     prefill: str = "full"
     prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
     tail_budget: int = 256  # sparse prefill: tokens of pages each prompt-end step selects per KV head
+    # sparse prefill: the prompt-end steps' index search covers at least this share of the
+    # indexed keys (1: all of them, an exact search; their pages decide the first answer token)
+    tail_beam_frac: float = 1.0
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
@@ -126,6 +132,12 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
     if s.dtype not in DTYPES:
         raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
+    from .weights import WEIGHT_FORMATS
+
+    if s.weights not in WEIGHT_FORMATS:
+        raise bad("weights", f"must be one of {', '.join(WEIGHT_FORMATS)}")
+    if s.weights != "float" and s.device != "cpu":
+        raise bad("weights", "other than float run on the CPU only (GPU profiles keep the model's dtype)")
     if s.device_memory_gib < 0:
         raise bad("device_memory_gib", "must be >= 0")
     if s.host_memory_gib <= 0:
@@ -160,6 +172,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_budget", f"must be a positive multiple of page_size ({s.page_size})")
     if s.tail_budget <= 0 or s.tail_budget % s.page_size:
         raise bad("tail_budget", f"must be a positive multiple of page_size ({s.page_size})")
+    if not 0 <= s.tail_beam_frac <= 1:
+        raise bad("tail_beam_frac", "must be in [0, 1]")
     if s.prefill_queries < 1:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:

@@ -246,6 +246,29 @@ def test_select_group_merges_per_query_pages():
         assert got.tolist() == ref.tolist()
 
 
+def test_a_wide_search_is_exact_on_a_narrow_tree():
+    """``wide=1`` (the sparse prefill's prompt-end steps) makes a narrow-beam tree's selection
+    the exact one, per tree and through the layer's parallel walk; without it the narrow beam
+    misses pages on these keys (so the test can tell the two apart)."""
+    from icecache.index.walk import select_layer
+
+    trees, refs, narrow = [], [], []
+    queries = np.stack([clustered(3, d=32, clusters=40, seed=20 + h) for h in range(3)])
+    for h in range(3):
+        keys = clustered(8000, d=32, clusters=40, seed=10 + h)
+        t = DCITree(32, IndexConfig(page_size=16, beam=4, beam_frac=0.0))
+        t.insert(keys)
+        trees.append(t)
+        refs.append(merge_group_pages(
+            [ranked_pages(exact_topk(keys, q, 128).astype(np.int32), t.tok_page, 8) for q in queries[h]], 8))
+        assert t.beam_for(1.0) >= t.n and t.beam_for(0.0) == 4
+        assert t.select_group(queries[h], 128, 8, 1.0).tolist() == refs[h].tolist()
+        narrow.append(t.select_group(queries[h], 128, 8).tolist() == refs[h].tolist())
+    assert not all(narrow)
+    got = select_layer(trees, queries, 128, 8, 1.0)
+    assert [g.tolist() for g in got] == [r.tolist() for r in refs]
+
+
 def test_best_pages_path_equals_ranking_the_top_points():
     """The page path of the group selection (best member per page) picks the same pages, in the
     same order, as ranking the group's top max_pages x page_size points, call after call."""

@@ -244,11 +244,13 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     from icecache.textgen import generated_text
 
     asked = []  # (layer, query rows, pages) of every selection
+    wides = []  # (layer, query rows, wide)
     real_select = IceLayer.select
 
-    def spy(layer, q, pages=None):
+    def spy(layer, q, pages=None, wide=0.0):
         asked.append((layer.layer_idx, q.shape[0], layer.spec.budget_pages if pages is None else pages))
-        return real_select(layer, q, pages)
+        wides.append((layer.layer_idx, q.shape[0], wide))
+        return real_select(layer, q, pages, wide)
 
     monkeypatch.setattr(IceLayer, "select", spy)
 
@@ -269,9 +271,13 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     heads = loaded.model.config.num_attention_heads
     steps_asked = [pages for rows, pages in mine if rows == heads]
     assert steps_asked == [128 // 16] * steps  # the tail: tail_budget's pages, not the decode budget's
+    # the tail's searches cover every key (tail_beam_frac 1); the chunks' use the beam
+    assert [w for layer, rows, w in wides if layer == first and rows == heads] == [1.0] * steps
+    assert {w for layer, rows, w in wides if rows != heads} == {0.0}
     s.decode(logits, 3)
     decoded = [pages for layer, _, pages in asked if layer == first][len(mine):]
     assert decoded and decoded == [64 // 16] * len(decoded)  # generated tokens: the budget
+    assert [w for layer, _, w in wides if layer == first][len(mine):] == [0.0] * len(decoded)
     held = Session(loaded, settings, "ice")
     held.new_tokens = 4
     assert held.prefill(ids, hold_tail=True)[0] is None and len(held.cached_ids) == len(ids) - steps

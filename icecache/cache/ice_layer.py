@@ -259,11 +259,14 @@ class IceLayer(CacheLayerMixin):
         q = query[:, 0].view(H, self.group(Hq), d)
         r = self.resident
         pages = self.step_pages()
+        # a prompt-end step searches (at least) tail_beam_frac of the keys: its pages decide
+        # the first answer token (docs/results.md, session 11: a 64k passkey the beam missed)
+        wide = self.spec.tail_beam_frac if self.in_tail() else 0.0
         if self.remap is None:
-            self.select(query[:, 0], pages)
+            self.select(query[:, 0], pages, wide)
         else:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
-            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages)
+            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages, wide)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
@@ -282,9 +285,13 @@ class IceLayer(CacheLayerMixin):
         """Pages this decode step selects per KV head: a prompt token that a sparse prefill
         steps through (its tail) selects ``tail_pages`` whatever the decode budget (the pool
         still has a chunk's size then); a generated token, the decode budget."""
-        if self.length <= self.tail_end and self.resident.pool_pages >= self.spec.tail_pages:
+        if self.in_tail():
             return self.spec.tail_pages
         return self.spec.budget_pages
+
+    def in_tail(self) -> bool:
+        """This step is a prompt token a sparse prefill steps through (its tail)."""
+        return self.length <= self.tail_end and self.resident.pool_pages >= self.spec.tail_pages
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads
@@ -323,10 +330,10 @@ class IceLayer(CacheLayerMixin):
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
-    def select(self, q: torch.Tensor, pages: int | None = None) -> None:
+    def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *
         positions, grouped by KV head); sets ``selected`` (at most ``pages`` pages per KV head;
-        default: the budget)."""
+        default: the budget). ``wide``: the search covers at least this share of the keys."""
         P = self.spec.budget_pages if pages is None else pages
         self.wait()
         if self.anchor is not None:
@@ -337,7 +344,7 @@ class IceLayer(CacheLayerMixin):
             return  # streaming: sink and window only
         t0 = time.perf_counter()
         qn = q.detach().float().cpu().numpy()
-        self.selected = self.selector.select(qn.reshape(self.heads, q.shape[0] // self.heads, -1), P)
+        self.selected = self.selector.select(qn.reshape(self.heads, q.shape[0] // self.heads, -1), P, wide)
         self.stats.query_s += time.perf_counter() - t0
 
     def load(self) -> None:

@@ -293,8 +293,10 @@ class DCITree:
         return self._sid, self._ssc
 
     # -- queries ------------------------------------------------------------------------------
-    def beam_for(self) -> int:
-        return max(self.cfg.beam, int(self.cfg.beam_frac * self.n))
+    def beam_for(self, wide: float = 0.0) -> int:
+        """Nodes a query expands per level: the configured beam, or ``wide`` of the points if
+        more (1: every node, an exact search)."""
+        return max(self.cfg.beam, int(self.cfg.beam_frac * self.n), int(np.ceil(wide * self.n)))
 
     def search(self, queries: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]:
         """Top-``k`` points by inner product for each query (h, head_dim): ids and scores (h, k).
@@ -337,10 +339,10 @@ class DCITree:
         ids, _ = self.search(queries, k)
         return [kernels.ranked_pages(row[row >= 0], self.tok_page, max_pages) for row in ids]
 
-    def _walk(self, g: int, call) -> object:
+    def _walk(self, g: int, call, beam: int | None = None) -> object:
         """Run a shared-walk kernel ``call(mark, ids, pages, scores) -> (result, ok)`` with this
         thread's scratch, growing it until the walk fits."""
-        rows = walk.walk_rows(self.n, self.beam_for(), g)
+        rows = walk.walk_rows(self.n, self.beam_for() if beam is None else beam, g)
         while True:
             mark, sid, spg, ssc = walk.group_scratch(self.n, g, rows)
             out, ok = call(mark, sid, spg, ssc)
@@ -361,22 +363,24 @@ class DCITree:
             self.members, self.count, self.node_size, mark, sid, spg, ssc, ids, scores)))
         return ids, scores
 
-    def select_group(self, queries: np.ndarray, k: int, max_pages: int) -> np.ndarray:
+    def select_group(self, queries: np.ndarray, k: int, max_pages: int, wide: float = 0.0) -> np.ndarray:
         """The merged page list of a GQA group (``merge_group_pages`` of ``select_pages``).
 
         With ``shared_walk`` (the default) the group's queries walk the tree together
-        (:meth:`search_group`); else each query searches alone (:meth:`search`).
+        (:meth:`search_group`); else each query searches alone (:meth:`search`). ``wide``: the
+        beam covers at least this share of the points (:meth:`beam_for`).
         """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if self.n == 0:
             return np.empty(0, np.int32)
+        beam = self.beam_for(wide)
         if self.cfg.shared_walk:
             return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
-                queries, k, max_pages, self.beam_for(), self.PX, self.top_level, self.first_page,
+                queries, k, max_pages, beam, self.PX, self.top_level, self.first_page,
                 self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
-                spg, ssc, *self.merge_args()))
+                spg, ssc, *self.merge_args()), beam)
         return kernels.select_group(
-            queries, k, max_pages, self.u, self.top_level, self.beam_for(), self.cfg.visit_frac,
+            queries, k, max_pages, self.u, self.top_level, beam, self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
             self.lo, self.hi, self.node_size, self.tok_page, self._sid, self._ssc)
 

@@ -43,20 +43,21 @@ def group_scratch(n: int, g: int, rows: int, slot: int = 0):
     return (mark, *rows_now)
 
 
-def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int) -> list[np.ndarray]:
-    """``trees[h].select_group(queries[h], k, max_pages)`` for every KV head h of a layer, the
-    heads walked in parallel by one numba call (per-tree calls when a tree is empty or does not
-    use shared walks).
+def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
+                 wide: float = 0.0) -> list[np.ndarray]:
+    """``trees[h].select_group(queries[h], k, max_pages, wide)`` for every KV head h of a layer,
+    the heads walked in parallel by one numba call (per-tree calls when a tree is empty or does
+    not use shared walks).
 
     queries: (H, G, d). On this 2-core CPU a decode step's index queries are memory bound (a
     core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
     """
     H = len(trees)
     if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
-        return [t.select_group(queries[h], k, max_pages) for h, t in enumerate(trees)]
+        return [t.select_group(queries[h], k, max_pages, wide) for h, t in enumerate(trees)]
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     g = queries.shape[1]
-    beams = np.array([t.beam_for() for t in trees], np.int64)
+    beams = np.array([t.beam_for(wide) for t in trees], np.int64)
     out = np.empty((H, max_pages), np.int32)
     lens = np.zeros(H, np.int64)
     ok = np.zeros(H, np.bool_)
@@ -69,5 +70,5 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int) -> li
         tuple(t.count for t in trees), tuple(t.node_size for t in trees),
         tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
         tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, *trees[0].merge_args())
-    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages)
+    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages, wide)
             for h in range(H)]

@@ -48,8 +48,10 @@ class PageSelector(Protocol):
     def insert(self, keys: torch.Tensor) -> None:
         """Index newly offloaded keys (heads, m, d) on the host, as the next point ids."""
 
-    def select(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
-        """queries (heads, group, d) float32 -> per KV head at most ``max_pages`` page ids."""
+    def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """queries (heads, group, d) float32 -> per KV head at most ``max_pages`` page ids.
+        ``wide``: an approximate search covers at least this share of the indexed keys (1: an
+        exact search); exact selectors ignore it."""
 
     def page_table(self, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Head ``head``'s pages: members (pages, page_size) point ids, count (pages,), and

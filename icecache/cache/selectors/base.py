@@ -70,7 +70,7 @@ class HeadIndexes:
                 self.versions[h] = ver = grown
             ver[dirty] += 1
 
-    def select(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
+    def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         k = max_pages * self.spec.page_size
         return [index.select_group(queries[h], k, max_pages) for h, index in enumerate(self.indexes)]
 

@@ -20,7 +20,8 @@ class DCISelector(HeadIndexes):
     def new_index(self, head: int, capacity: int) -> DCITree:
         return DCITree(self.head_dim, self.spec.index, capacity=capacity)
 
-    def select(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
+    def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        k = max_pages * self.spec.page_size
         if not PARALLEL_HEADS:
-            return super().select(queries, max_pages)
-        return select_layer(self.indexes, queries, max_pages * self.spec.page_size, max_pages)
+            return [index.select_group(queries[h], k, max_pages, wide) for h, index in enumerate(self.indexes)]
+        return select_layer(self.indexes, queries, k, max_pages, wide)

@@ -26,7 +26,7 @@ class StreamingSelector:
     def insert(self, keys) -> None:
         pass
 
-    def select(self, queries, max_pages: int) -> list[np.ndarray]:
+    def select(self, queries, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         return [np.empty(0, np.int32) for _ in range(queries.shape[0])]
 
     def page_table(self, head: int):
