@@ -41,7 +41,7 @@ KV_FILE, MANIFEST = "kv.safetensors", "manifest.json"
 LENGTHS = "lengths.json"
 # The settings a full prefill's keys and values depend on (the method does not: every method's
 # full prefill is the same computation).
-SHAPING = ("dtype", "chunk_size", "rope_scaling", "positions", "device")
+SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
 
 Warn = Callable[[str], None]
 

@@ -247,6 +247,10 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         raise ModelError(f"model {spec} could not be loaded: {exc}") from None
     model.to(settings.device)
     model.eval()
+    if settings.weights != "float":
+        from .weights import quantize_model
+
+        quantize_model(model, settings.weights)
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,

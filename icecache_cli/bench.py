@@ -56,7 +56,7 @@ def bench_main(
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         if not method_list:
             raise UsageError("--methods: give at least one method")
-        settings = resolve_settings(opts.profile, budget=opts.budget)
+        settings = resolve_settings(opts.profile, budget=opts.budget, weights=opts.weights)
         limit = parse_size(full_prefill_max)
         if out is not None:
             if out.exists() and not out.is_dir():
@@ -258,7 +258,7 @@ def decode(
     with user_errors(), Reporter(quiet) as rep:
         sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
-        settings = resolve_settings(profile, budget=budget)
+        settings = resolve_settings(profile, budget=budget, weights=opts.weights)
         loaded = load_model(model, settings, log=rep.info)
         results = []
         for n in sizes:
@@ -312,7 +312,7 @@ def prefill(
         for m in mode_list:
             if m not in prefill_bench.MODES:
                 raise UsageError(f"--modes: unknown mode '{m}' (known: {', '.join(prefill_bench.MODES)})")
-        settings = resolve_settings(profile, budget=budget, chunk_size=chunk_size)
+        settings = resolve_settings(profile, budget=budget, chunk_size=chunk_size, weights=opts.weights)
         loaded = load_model(model, settings, log=rep.info)
         results, first_rate = [], {}
         rep.info("warming up (kernels compile on first use) ...")

@@ -32,6 +32,7 @@ def evaluate(
     positions: Annotated[str | None, typer.Option("--positions", help="RoPE positions past the trained context: remap, true or auto. Default: the profile's.", show_default=False)] = None,
     rope_scaling: Annotated[str | None, typer.Option("--rope-scaling", help="RoPE scaling past the trained context: none, linear, dynamic or yarn (e.g. for full). Default: the profile's.", show_default=False)] = None,
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk. Default: the profile's.", show_default=False)] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float or int8 (CPU). Default: the profile's.", show_default=False)] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,
@@ -49,7 +50,7 @@ def evaluate(
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
         method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
-                                    rope_scaling=rope_scaling)
+                                    rope_scaling=rope_scaling, weights=weights)
         for m in method_list:
             check_prefill(m, settings)
         budget_list = []

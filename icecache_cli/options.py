@@ -53,6 +53,9 @@ PositionsOpt = _profile_setting(str, "--positions", about=(
 RopeScalingOpt = _profile_setting(str, "--rope-scaling", about=(
     "RoPE scaling for a run past the trained context: none, linear, dynamic (NTK) or yarn "
     "(transformers' own; positions stay true). The peer of --positions remap."))
+WeightsOpt = _profile_setting(str, "--weights", about=(
+    "The linear layers' weights: float (the model's dtype) or int8 (one scale per output channel; "
+    "CPU only, decode reads a quarter of float32's bytes)."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
@@ -88,6 +91,7 @@ class RunOptions:
     prefill: PrefillOpt = None
     positions: PositionsOpt = None
     rope_scaling: RopeScalingOpt = None
+    weights: WeightsOpt = None
     chunk_size: ChunkOpt = None
     pipeline: PipelineOpt = None
     doc_cache: DocCacheOpt = None
@@ -100,7 +104,7 @@ class RunOptions:
         """The settings given as flags (``None``: the profile's)."""
         return dict(budget=self.budget, reuse_every=self.reuse_every, prefill=self.prefill,
                     chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions,
-                    rope_scaling=self.rope_scaling,
+                    rope_scaling=self.rope_scaling, weights=self.weights,
                     doc_cache="off" if self.no_doc_cache else self.doc_cache)
 
 
@@ -111,6 +115,7 @@ class BenchOptions:
     budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None
+    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float or int8 (CPU). Default: the profile's.", show_default=False)] = None
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False
     quiet: QuietOpt = False
 

@@ -213,6 +213,7 @@ def final_stats(result: TaskResult, cache, settings, session=None) -> dict:
         "prefill": session.prefill_mode if session is not None else settings.prefill,
         "positions": session.positions if session is not None else None,
         "rope_scaling": settings.rope_scaling,
+        "weights": settings.weights,
         "prompt_tokens": result.tokens_in,
         "prefix_cached_tokens": sum(s.prefix_cached_tokens for s in result.stats),
         "prefill_s": round(pre_s, 3),
