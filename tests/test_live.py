@@ -141,4 +141,4 @@ def test_stats_line_even_when_quiet(flag):
     assert r.returncode == 0
     lines = r.stderr.decode().splitlines()
     # ice by default; the run's prefill and positions as it chose them for a short document
-    assert len(lines) == 1 and lines[0].startswith("stats: method=ice prefill=full positions=true rope_scaling=none prompt_tokens=")
+    assert len(lines) == 1 and lines[0].startswith("stats: method=ice prefill=full positions=true rope_scaling=none weights=float prompt_tokens=")
