@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
+WEIGHT_FORMATS = ("float", "int8")  # icecache.weights
 MAX_THREADS = 256
 
 
@@ -132,8 +133,6 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("device", "must be 'cpu', 'cuda' or 'cuda:N'")
     if s.dtype not in DTYPES:
         raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
-    from .weights import WEIGHT_FORMATS
-
     if s.weights not in WEIGHT_FORMATS:
         raise bad("weights", f"must be one of {', '.join(WEIGHT_FORMATS)}")
     if s.weights != "float" and s.device != "cpu":

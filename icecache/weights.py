@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("float", "int8")
+from .config import WEIGHT_FORMATS
 
 # The products run in bfloat16 (float32 accumulation inside the kernels): torch's int8 kernel is
 # fast with bfloat16 activations only (with float32 ones it was 5x slower than float32 weights on
@@ -25,11 +25,12 @@ WEIGHT_FORMATS = ("float", "int8")
 # model's dtype.
 COMPUTE = torch.bfloat16
 
-# Up to this many rows the weight-only kernel runs; above it, the widened product (measured on
-# the 2-core CPU: docs/results.md, session 11).
+# Up to this many rows the weight-only kernel runs; above it, the widened product (measured at
+# 1 row and at 2048: the kernel wins the first, the widened product the second; the crossover
+# between them was not measured).
 ROWS_INT8_KERNEL = 16
 # Output channels widened at a time in the many-row product (bounds the temporary to this many
-# rows of the weight in the activation dtype).
+# rows of the weight in bfloat16).
 WIDEN_BLOCK = 4096
 
 
@@ -63,14 +64,11 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        x2 = x.reshape(-1, shape[-1])
-        if x2.dtype != self.act_dtype:
-            x2 = x2.to(self.act_dtype)
-        xc = x2.to(COMPUTE).contiguous()
-        if x2.shape[0] <= ROWS_INT8_KERNEL and x2.device.type == "cpu":
+        xc = x.reshape(-1, shape[-1]).to(COMPUTE).contiguous()
+        if xc.shape[0] <= ROWS_INT8_KERNEL:
             y = torch.ops.aten._weight_int8pack_mm(xc, self.qweight, self.scale_c)
         else:
-            y = torch.empty(x2.shape[0], self.out_features, dtype=COMPUTE, device=x2.device)
+            y = torch.empty(xc.shape[0], self.out_features, dtype=COMPUTE, device=xc.device)
             for lo in range(0, self.out_features, WIDEN_BLOCK):
                 hi = min(self.out_features, lo + WIDEN_BLOCK)
                 w = dequantized(self.qweight[lo:hi], self.scale[lo:hi], COMPUTE)
@@ -97,12 +95,3 @@ def quantize_model(model: nn.Module, fmt: str) -> int:
         parent = model.get_submodule(parent_name) if parent_name else model
         setattr(parent, child, Int8Linear(mod))
     return len(targets)
-
-
-def weight_bytes(model: nn.Module) -> int:
-    """Bytes held by the model's parameters and its quantized weights."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
-    for mod in model.modules():
-        if isinstance(mod, Int8Linear):
-            total += mod.qweight.numel() + mod.scale.numel() * mod.scale.element_size()
-    return total
