@@ -11,6 +11,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .config import Settings
@@ -94,6 +95,7 @@ class Prefilled:
     logits: torch.Tensor  # at the last prompt position
     seconds: float
     obs_queries: dict[int, torch.Tensor] = field(default_factory=dict)  # prompt-end queries per layer
+    grids: dict = field(default_factory=dict)  # per layer: a QueryGrid of the prompt's queries (H2O)
 
 
 @torch.inference_mode()
@@ -124,10 +126,10 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
         if on_progress:
             on_progress("prefill", min(lo + chunk, len(ids)), len(ids))
     seconds = time.perf_counter() - t0
-    queries = record.recorded()
+    queries, grids = record.recorded(), record.grids()
     record.start(0)
     return Prefilled(list(ids), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
-                     out.logits[0, -1], seconds, dict(queries))
+                     out.logits[0, -1], seconds, dict(queries), dict(grids))
 
 
 class Session:
@@ -193,10 +195,16 @@ class Session:
     def adopt(self, pre: Prefilled) -> None:
         """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
         self.cache = self._new_cache(len(pre.ids))
+        T = len(pre.ids)
         for i, (k, v) in enumerate(pre.kv):
-            q = pre.obs_queries.get(i)
-            if q is not None and hasattr(self.cache, "observe"):
-                self.cache.observe(i, q)  # the prompt-end queries, for a selector that votes
+            if hasattr(self.cache, "observe"):  # the prompt's queries, for a selector that votes
+                grid = pre.grids.get(i)
+                if grid is not None and len(grid):
+                    q, pos, _ = grid.arrays(T)
+                    self.cache.observe(i, torch.from_numpy(q), pos)
+                q = pre.obs_queries.get(i)
+                if q is not None:  # the prompt's end last (SnapKV keeps the last call's)
+                    self.cache.observe(i, q, np.arange(T - q.shape[1], T))
             self.cache.update(k.clone(), v.clone(), i)
         self.cached_ids = list(pre.ids)
 
@@ -315,15 +323,15 @@ class Session:
         view for it: (0, None) when not. A full prefill's entry is the dense KV of the shared
         prefix (the same for every method); a sparse prefill's is the cache's whole state (host
         store, index, window: :mod:`.cache.state`), for this method and these exact settings.
-        Not for SnapKV (its selection also votes with the prompt's last queries) nor remapped
+        Not for SnapKV or H2O (their selection also reads the prompt's queries) nor remapped
         positions in a full prefill."""
         import dataclasses
 
-        from .methods import get
+        from .methods import get, reads_prompt_queries
 
         run, m = self.run_settings, get(self.method)
         if (self.doc_cache is None or prefix < max(1, self.doc_min_tokens) or prefix <= start
-                or prefix >= total or m.selector == "snapkv"):
+                or prefix >= total or reads_prompt_queries(m)):
             return 0, None
         if run.prefill == "full":
             if run.positions != "true" or prefix >= cut:
@@ -334,7 +342,7 @@ class Session:
         # The state at the document's end depends neither on what follows it (one entry serves a
         # summary and questions of any length) nor on the decode budget while that fits in the
         # chunks' pool (``IceCache.forked``'s rule: the same pool size): pages are re-selected.
-        budget = 0 if run.budget <= run.prefill_budget and m.selector != "snapkv" else run.budget
+        budget = 0 if run.budget <= run.prefill_budget else run.budget
         kind = {"state": 1, "method": self.method, "settings": dataclasses.asdict(run.replace(budget=budget))}
         return prefix, self.doc_cache.with_kind(kind)
 

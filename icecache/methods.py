@@ -10,7 +10,9 @@ record here (and, for a new way of choosing pages, one selector class).
 - ``ice``: the IceCache paged cache; ``ice-reuse``: only every ``reuse_every``-th layer queries
   its index, the others reuse its selection;
 - ``streaming`` (sink + window pages only), ``quest`` (token-order pages, key bounds), ``snapkv``
-  (the prompt end votes once): baselines in the same paged cache;
+  (the prompt end votes once), ``arkvale`` (page digests, recall), ``h2o`` (heavy hitters),
+  ``omnikv`` (filter layers' top tokens reused), ``pqcache`` (product-quantized scores),
+  ``magicpig`` (LSH sampling): baselines in the same paged cache (docs/methods.md);
 - ``oracle`` / ``oracle-qhead``: exact top tokens over the dense cache, per KV head / per query
   head: upper bounds, not methods.
 """
@@ -34,6 +36,7 @@ class Method:
     whether ``--budget`` means anything to it. ``sparse_prefill``: whether ``--prefill sparse``
     can run it (a chunk needs pages chosen by an index). ``reuse``: ice-reuse's layer sharing.
     ``oracle_per``: whose budget the oracle's top tokens are (``kv`` or ``query`` head).
+    ``reuse_every``: with ``reuse``, the layers an anchor serves (0: the ``reuse_every`` setting).
     """
 
     name: str
@@ -44,6 +47,7 @@ class Method:
     sparse_prefill: bool = False
     reuse: bool = False
     oracle_per: str = "kv"
+    reuse_every: int = 0
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -62,7 +66,24 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            selector="quest", sparse_prefill=True),
     Method("snapkv", "SnapKV: the prompt's last queries choose the tokens once", "paged",
            selector="snapkv"),
+    Method("arkvale", "ArkVale: token-order pages by box digests; evicted pages recalled", "paged",
+           selector="arkvale", sparse_prefill=True),
+    Method("h2o", "H2O: keep the tokens with the most accumulated attention (evicts for good)", "paged",
+           selector="h2o"),
+    Method("omnikv", "OmniKV: a filter layer's exact top tokens, reused by the next 6 layers", "paged",
+           selector="omnikv", reuse=True, reuse_every=7),
+    Method("pqcache", "PQCache: top tokens by product-quantized key scores", "paged", selector="pqcache"),
+    Method("magicpig", "MagicPIG: LSH-sampled keys, attention by importance sampling", "paged",
+           selector="magicpig"),
 )}
+
+
+def reads_prompt_queries(method: Method) -> bool:
+    """Whether the method's selector reads the prompt's queries (SnapKV's vote, H2O's scores):
+    its prefill is more than keys and values."""
+    from .cache.selectors import SELECTORS
+
+    return method.selector is not None and SELECTORS[method.selector].waits_for_queries
 
 
 def names() -> tuple[str, ...]:
@@ -226,7 +247,8 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
         if positions(method, model, settings, tokens) == "remap":
             remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack)
         return IceCache(layers, spec, dense_layers=settings.dense_layers,
-                        reuse_every=settings.reuse_every if m.reuse else 1, device=model.device,
+                        reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
+                        device=model.device,
                         remap=remap)
     positions(method, model, settings, tokens)  # an explicit remap is an error here
     if m.cache == "oracle":

@@ -68,12 +68,13 @@ class IceCache(Cache):
             layer.prompt_tokens = layer.length + tokens
             layer.tail_end = layer.prompt_tokens + tail
 
-    def observe(self, layer_idx: int, queries: torch.Tensor) -> None:
-        """Layer ``layer_idx``'s prompt-end queries (query heads, n, head_dim), from a prefill
-        computed elsewhere (a shared dense prefill), for a selector that votes with them."""
+    def observe(self, layer_idx: int, queries: torch.Tensor, positions=None) -> None:
+        """Layer ``layer_idx``'s prompt queries (query heads, n, head_dim) at prompt
+        ``positions``, from a prefill computed elsewhere (a shared dense prefill), for a selector
+        that votes with them."""
         layer = self.layers[layer_idx]
         if isinstance(layer, IceLayer):
-            layer.observe(queries)
+            layer.observe(queries, positions)
 
     def end_prefill(self) -> None:
         """Every layer offloaded and indexed (the prefill's wall time includes its index)."""

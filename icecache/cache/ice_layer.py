@@ -29,7 +29,7 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .backend import TorchBackend
 from .host_store import HostStore
-from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa
+from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa, paged_decode_weighted
 from .positions import Remap, ordered_offsets, place_keys
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
@@ -122,10 +122,13 @@ class IceLayer(CacheLayerMixin):
             # layers compute (a selector that votes with the prompt's queries waits for them).
             self._job = (WORKER.submit(self._offload), "offload")
 
-    def observe(self, queries: torch.Tensor) -> None:
-        """A prefill chunk's queries (query heads, chunk, head_dim), for a selector that uses them."""
+    def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
+        """A prefill chunk's queries (query heads, chunk, head_dim) at prompt ``positions``
+        (default: the chunk's, the last ones the layer holds), for a selector that uses them."""
         if self.selector is not None and not self.offloaded:
-            self.selector.observe(queries)
+            if positions is None:
+                positions = np.arange(self.length - queries.shape[1], self.length)
+            self.selector.observe(queries, positions)
 
     def offload_prompt(self) -> None:
         """Offload and index the prompt now (after any background job of this layer)."""
@@ -148,7 +151,9 @@ class IceLayer(CacheLayerMixin):
         window_cap = spec.window_slack + (spec.chunk_tokens if spec.sparse_prefill else 0)
         self.resident = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype,
                                    spec.sink_tokens, S, spec.pool_pages, window_cap)
-        self.resident.track_rows = self.remap is not None  # remapped pages are placed in token order
+        # host rows of the pool: remapped pages are placed in token order; an estimating
+        # selector weighs each row
+        self.resident.track_rows = self.remap is not None or self.estimates
         self.resident.set_sink(k[:, :sink], v[:, :sink])
         self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
         self.resident.chunk_at = self.resident.chunk_len = 0
@@ -173,6 +178,11 @@ class IceLayer(CacheLayerMixin):
         if self.remap is None:
             return keys
         return self.remap.frame.rotate(keys, torch.arange(first, first + keys.shape[1]), 0)
+
+    @property
+    def estimates(self) -> bool:
+        """Whether the selector weighs the rows it chose (``row_bias``: MagicPIG's sampling)."""
+        return self.selector is not None and getattr(self.selector, "estimates", False)
 
     @property
     def indexed(self) -> bool:
@@ -270,12 +280,14 @@ class IceLayer(CacheLayerMixin):
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
-        if self.remap is None:
-            out = paged_decode_sdpa(q, k, v, valid, scale)
-        else:
+        if self.remap is not None:
             # the pages end just beyond the window, the sink just before them: the keys are placed
             # there (one rotation) and the query stays at its true position
             k = self._placed(k, self.length - 1 - page_distance)
+        if self.estimates and self.spec.budget_pages:
+            bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)
+            out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale)
+        else:
             out = paged_decode_sdpa(q, k, v, valid, scale)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0

@@ -31,6 +31,35 @@ def paged_decode_sdpa(q, k, v, valid, scaling):
     return out[:, 0]
 
 
+def weighted_mask(valid: torch.Tensor, bias: torch.Tensor, pool_at: int) -> torch.Tensor:
+    """valid (H, L) and per query head log-weights of the pool rows ``bias`` (H, G, R), the pool
+    at rows ``pool_at .. pool_at + R`` -> an additive mask (H, G, L): 0 on the other valid rows,
+    -inf on the invalid ones."""
+    H, L = valid.shape
+    G, R = bias.shape[1], bias.shape[2]
+    mask = torch.zeros(H, G, L, dtype=torch.float32, device=valid.device)
+    mask.masked_fill_(~valid[:, None, :], float("-inf"))
+    mask[:, :, pool_at : pool_at + R] += bias.to(mask.device, torch.float32)
+    return mask
+
+
+def paged_decode_weighted_reference(q, k, v, valid, bias, pool_at, scaling):
+    """:func:`paged_decode_reference` where a pool row's weight is also multiplied by
+    ``exp(bias)`` per query head (a sampled row's inverse sampling chance; -inf: not attended):
+    softmax over ``q.k * scaling + bias``, in float32."""
+    scores = torch.einsum("hgd,hld->hgl", q.float(), k.float()) * scaling
+    scores = scores + weighted_mask(valid, bias, pool_at)
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgl,hld->hgd", probs, v.float()).to(q.dtype)
+
+
+def paged_decode_weighted(q, k, v, valid, bias, pool_at, scaling):
+    """:func:`paged_decode_weighted_reference` through torch's fused SDPA."""
+    mask = weighted_mask(valid, bias, pool_at)[:, None].to(q.dtype)  # (H, 1, G, L)
+    out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None], attn_mask=mask, scale=scaling)
+    return out[:, 0]
+
+
 def chunk_positions(C: int, n: int) -> np.ndarray:
     """``n`` positions of a chunk of ``C`` queries, evenly spread and ending at the last one."""
     return np.unique(np.linspace(0, C - 1, min(n, C)).round().astype(np.int64)) if C else np.empty(0, np.int64)

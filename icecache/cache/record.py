@@ -2,14 +2,16 @@
 
 Every method in this project prefills with full attention, so one dense prefill can seed them
 all (``Session.adopt``). The one thing a method reads from the prefill besides keys and values is
-SnapKV's observation window (the last queries of the prompt, per layer); this attention records
-them while computing ordinary SDPA attention.
+SnapKV's observation window (the last queries of the prompt, per layer), and H2O's grid of the
+prompt's queries (:class:`~.selectors.tokens.QueryGrid`); this attention records them while
+computing ordinary SDPA attention.
 """
 
 from __future__ import annotations
 
 import threading
 
+import numpy as np
 import torch
 
 _state = threading.local()
@@ -18,11 +20,17 @@ _state = threading.local()
 def start(observation: int) -> None:
     _state.observation = observation
     _state.queries = {}
+    _state.grids = {}
 
 
 def recorded() -> dict[int, torch.Tensor]:
     """Layer index -> (query heads, up to ``observation``, head_dim) of the last prompt tokens."""
     return getattr(_state, "queries", {})
+
+
+def grids() -> dict:
+    """Layer index -> :class:`~.selectors.tokens.QueryGrid` of the prompt's queries."""
+    return getattr(_state, "grids", {})
 
 
 def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
@@ -36,6 +44,14 @@ def record_attention(module, query, key, value, attention_mask, scaling=None, dr
         if prev is not None and tail.shape[1] < w:  # a short last chunk: keep the earlier queries
             tail = torch.cat([prev, tail], dim=1)[:, -w:]
         _state.queries[i] = tail.clone()
+        grid = _state.grids.get(i)
+        if grid is None:
+            from .selectors.h2o import PROMPT_QUERIES
+            from .selectors.tokens import QueryGrid
+
+            grid = _state.grids[i] = QueryGrid(PROMPT_QUERIES, w)
+        end = key.shape[2]  # the chunk's queries are the last of the keys' positions
+        grid.add(query[0].detach(), np.arange(end - query.shape[2], end))
     return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                   dropout=dropout, **kwargs)
 

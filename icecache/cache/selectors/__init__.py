@@ -7,13 +7,19 @@ Every selector follows :class:`PageSelector` and is registered by name (``IceSpe
 ``quest``             Quest: token-order pages ranked by per-channel key bounds (:mod:`.quest`)
 ``snapkv``            SnapKV: the prompt's last queries choose the tokens once (:mod:`.snapkv`)
 ``streaming``         StreamingLLM: no pages, sink and window only (:mod:`.streaming`)
+``arkvale``           ArkVale: token-order pages, box digests, a resident set that recalls (:mod:`.arkvale`)
+``h2o``               H2O: the tokens with the most accumulated attention, evicted for good (:mod:`.h2o`)
+``omnikv``            OmniKV: filter layers' exact top tokens, reused by the next layers (:mod:`.omnikv`)
+``pqcache``           PQCache: top tokens by product-quantized key scores (:mod:`.pqcache`)
+``magicpig``          MagicPIG: SimHash samples, attention by importance sampling (:mod:`.magicpig`)
 ====================  ===========================================================================
 
 (The ``oracle`` bound chooses tokens, not pages, over a dense cache: :mod:`icecache.cache.oracle`.)
 
 How to add one: a class with the protocol's members (usually a subclass of
 :class:`~.base.HeadIndexes`, which keeps one index per KV head and the page versions, so only
-``new_index`` and perhaps ``select`` are left), decorated with ``@register("name")`` in its own
+``new_index`` and perhaps ``select`` are left; a method that picks single tokens subclasses
+:class:`~.token_base.TokenSelector` and writes ``choose``), decorated with ``@register("name")`` in its own
 module, imported below; then a :class:`~icecache.methods.Method` record naming it.
 """
 
@@ -35,8 +41,9 @@ class PageSelector(Protocol):
     waits_for_queries: bool  # needs the prompt's last queries before the prompt is offloaded
     budget_in_index: bool  # its index holds a choice made for one budget (no IceCache.forked)
 
-    def observe(self, queries: torch.Tensor) -> None:
-        """The prompt's queries at a prefill chunk (query heads, chunk, head_dim)."""
+    def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
+        """The prompt's queries at a prefill chunk (query heads, chunk, head_dim), at prompt
+        ``positions`` (None: the chunk after the last one observed)."""
 
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
               middle: torch.Tensor | None = None) -> None:
@@ -69,7 +76,7 @@ def make_selector(spec: IceSpec) -> PageSelector:
     return cls(spec)
 
 
-from . import dci, quest, snapkv, streaming  # noqa: E402,F401  (they register themselves)
+from . import arkvale, dci, h2o, magicpig, omnikv, pqcache, quest, snapkv, streaming  # noqa: E402,F401
 from .quest import QuestIndex  # noqa: E402
 from .snapkv import SnapIndex, snap_votes  # noqa: E402
 

@@ -44,7 +44,7 @@ class HeadIndexes:
         """An empty index for KV head ``head`` (``self.head_dim`` is known by then)."""
         raise NotImplementedError
 
-    def observe(self, queries: torch.Tensor) -> None:
+    def observe(self, queries: torch.Tensor, positions=None) -> None:
         pass
 
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,

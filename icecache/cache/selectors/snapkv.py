@@ -82,7 +82,7 @@ class SnapKVSelector(HeadIndexes):
         self.queries: torch.Tensor | None = None
         self.votes: np.ndarray | None = None
 
-    def observe(self, queries: torch.Tensor) -> None:
+    def observe(self, queries: torch.Tensor, positions=None) -> None:
         self.queries = queries[:, -self.spec.observation :].detach()
 
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,

@@ -17,7 +17,7 @@ class StreamingSelector:
     def __init__(self, spec):
         self.spec = spec
 
-    def observe(self, queries: torch.Tensor) -> None:
+    def observe(self, queries: torch.Tensor, positions=None) -> None:
         pass
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
