@@ -230,7 +230,8 @@ def test_longbench_scorers_and_loading(tmp_path):
         longbench.load(f)
 
 
-@pytest.mark.parametrize("method", ["full", "dense", "ice", "quest", "snapkv", "streaming", "oracle"])
+@pytest.mark.parametrize("method", ["full", "dense", "ice", "quest", "snapkv", "streaming", "oracle",
+                                    "arkvale", "h2o", "omnikv", "pqcache", "magicpig"])
 def test_shared_prefill_decodes_like_own_prefill(loaded, cpu_settings, method):
     """A session seeded from the one shared prefill decodes as if it had prefilled itself."""
     from icecache.generation import Session, prefill_once
