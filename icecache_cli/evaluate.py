@@ -96,7 +96,7 @@ def evaluate(
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
         ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data,
-                              depths=depth_list)
+                              depths=depth_list, out=out)
         rows = []
         for i, cell in enumerate(all_cells):
             if cell.key() in done:

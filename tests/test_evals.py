@@ -86,6 +86,26 @@ def test_eval_command_json_and_resume(tmp_path):
         assert bad.returncode == 2 and why in bad.stderr.decode()
 
 
+def test_a_killed_eval_resumes_mid_cell_from_its_finished_cases(loaded, cpu_settings, tmp_path):
+    """Each case's score is written as it is made (cases.jsonl); a new run into the same --out
+    takes the finished cases of an unfinished cell and computes only the others."""
+    cell = runner.Cell("passkey", "full", 0, 400)
+    logs = []
+    first = runner.Evaluator(loaded, cpu_settings, 3, 0, out=tmp_path, log=logs.append).run(cell)
+    lines = [json.loads(x) for x in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    assert [(x["cell"], x["case"], x["score"]) for x in lines] == [
+        (list(cell.key()), i, s) for i, s in enumerate(first["detail"])]
+    # a run killed after two cases (its second case's line cut short), with a planted score
+    # that no real case gives, so that reuse shows
+    (tmp_path / "cases.jsonl").write_text(
+        json.dumps({"cell": list(cell.key()), "case": 0, "score": 0.25}) + "\n"
+        + '{"cell": ["passkey", "full", 0, 400], "case": 1, "sc')
+    logs.clear()
+    again = runner.Evaluator(loaded, cpu_settings, 3, 0, out=tmp_path, log=logs.append).run(cell)
+    assert again["detail"] == [0.25, *first["detail"][1:]]
+    assert "(from" in logs[0] and all("(from" not in x for x in logs[1:]) and len(logs) == 3
+
+
 def test_eval_plot_without_matplotlib(tmp_path):
     """Without the plot extra, --plot is one clear error before any work."""
     fake = tmp_path / "site" / "matplotlib"

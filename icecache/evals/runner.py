@@ -67,8 +67,10 @@ def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int
 class Evaluator:
     def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
                  log: Callable[[str], None] = lambda _m: None, data: str | None = None,
-                 depths: list[float] | None = None):
+                 depths: list[float] | None = None, out: Path | None = None):
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        self.out = out  # with --out: each case's score is kept as it is made (cases.jsonl)
+        self._cases = load_cases(out)
         self.depths = depths  # passkey and niah_single: needle depths (None: evenly spread)
         self.data = data
         self.new_tokens = new_tokens
@@ -153,6 +155,12 @@ class Evaluator:
                           if c.key() != cell.key() and (c.task, c.method, c.length) == (cell.task, cell.method, cell.length)]
         scores: dict[tuple, list[float]] = {c.key(): [] for c in group}
         for i, case in enumerate(cases):
+            if (cell.key(), i) in self._cases:  # scored by an earlier, interrupted run
+                for c in group:
+                    if (c.key(), i) in self._cases and len(scores[c.key()]) == i:
+                        scores[c.key()].append(self._cases[(c.key(), i)])
+                self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][-1]:g} (from {self.out})")
+                continue
             ids = tok(case.prompt)["input_ids"]
             settings = _settings(self.settings, cell)
             if methods_.prefill_mode(cell.method, self.loaded.model, settings, len(ids)) == "sparse":
@@ -161,7 +169,11 @@ class Evaluator:
                 session = Session(self.loaded, settings, cell.method)
                 outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
             for key, out in outs.items():
+                if len(scores[key]) != i:
+                    continue  # a sibling missing earlier cases: it runs on its own
                 scores[key].append(score(tok.decode(out), case))
+                self._cases[(key, i)] = scores[key][-1]
+                append_case(self.out, key, i, scores[key][-1])
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
                 f"{scores[c.key()][-1]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
                 for c in group if c.key() in outs))
@@ -263,6 +275,30 @@ def load_done(out: Path | None) -> dict[tuple, dict]:
                 continue  # a line cut by a kill: that cell runs again
             done[(r["task"], r["method"], r["budget"], r["length"])] = r
     return done
+
+
+def load_cases(out: Path | None) -> dict[tuple, float]:
+    """(cell key, case index) -> score of the cases an earlier run into ``out`` finished (a cell's
+    row is written only when all its cases are done; these let a killed run resume mid-cell)."""
+    done: dict[tuple, float] = {}
+    path = None if out is None else out / "cases.jsonl"
+    if path is None or not path.exists():
+        return done
+    for line in path.read_text().splitlines():
+        try:
+            r = json.loads(line)
+            done[(tuple(r["cell"]), int(r["case"]))] = float(r["score"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
+            continue  # a line cut by a kill: that case runs again
+    return done
+
+
+def append_case(out: Path | None, key: tuple, case: int, score: float) -> None:
+    if out is None:
+        return
+    with open(out / "cases.jsonl", "a") as f:
+        f.write(json.dumps({"cell": list(key), "case": case, "score": score}) + "\n")
+        f.flush()
 
 
 def append(out: Path | None, row: dict) -> None:
