@@ -158,6 +158,24 @@ def test_stdin_pipe_nobody_writes_to_says_it_waits():
     assert "waiting for input on stdin" in screen and rc == 2 and "stdin: is empty" in screen
 
 
+def blocked_on_read(pid: int, limit: float = 90.0) -> None:
+    """Wait until process ``pid`` sleeps in a pipe read (Linux: /proc/PID/wchan), at most
+    ``limit`` seconds; elsewhere, 3 seconds (a busy machine can take longer to start Python)."""
+    wchan = f"/proc/{pid}/wchan"
+    if not os.path.exists(wchan):
+        time.sleep(3)
+        return
+    end = time.monotonic() + limit
+    while time.monotonic() < end:
+        try:
+            if "pipe_read" in open(wchan).read():
+                time.sleep(0.3)  # the signal handlers are set before the read
+                return
+        except OSError:
+            return
+        time.sleep(0.1)
+
+
 @pytest.mark.parametrize("sig,code,word", [(signal.SIGTERM, 143, "terminated"), (signal.SIGINT, 130, "interrupted")])
 @pytest.mark.parametrize("args", [["summarize", "-"], ["batch", "-"]])
 def test_signals_give_one_consistent_line(args, sig, code, word):
@@ -166,7 +184,7 @@ def test_signals_give_one_consistent_line(args, sig, code, word):
     proc = subprocess.Popen(CLI + args, stdin=r, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO)
     os.close(r)
     try:
-        time.sleep(3)  # the interpreter started and blocks reading stdin
+        blocked_on_read(proc.pid)  # the interpreter started and blocks reading stdin
         assert proc.poll() is None
         proc.send_signal(sig)
         out, err = proc.communicate(timeout=60)
