@@ -37,6 +37,8 @@ class Method:
     can run it (a chunk needs pages chosen by an index). ``reuse``: ice-reuse's layer sharing.
     ``oracle_per``: whose budget the oracle's top tokens are (``kv`` or ``query`` head).
     ``reuse_every``: with ``reuse``, the layers an anchor serves (0: the ``reuse_every`` setting).
+    ``anchor_depths``: with ``reuse``, the anchor layers instead, as shares of the model's depth
+    (:func:`anchor_layers`).
     """
 
     name: str
@@ -48,6 +50,12 @@ class Method:
     reuse: bool = False
     oracle_per: str = "kv"
     reuse_every: int = 0
+    anchor_depths: tuple[float, ...] = ()
+
+
+# OmniKV's filter layers: 2, 8 and 18 of Llama-3-8B's 32 (the authors' configuration), as shares
+# of the depth; the layers before the first are dense.
+OMNIKV_FILTERS = (2 / 32, 8 / 32, 18 / 32)
 
 
 METHODS: dict[str, Method] = {m.name: m for m in (
@@ -70,12 +78,22 @@ METHODS: dict[str, Method] = {m.name: m for m in (
            selector="arkvale", sparse_prefill=True),
     Method("h2o", "H2O: keep the tokens with the most accumulated attention (evicts for good)", "paged",
            selector="h2o"),
-    Method("omnikv", "OmniKV: a filter layer's exact top tokens, reused by the next 6 layers", "paged",
-           selector="omnikv", reuse=True, reuse_every=7),
+    Method("omnikv", "OmniKV: filter layers' exact top tokens, reused by the layers up to the next", "paged",
+           selector="omnikv", reuse=True, anchor_depths=OMNIKV_FILTERS),
     Method("pqcache", "PQCache: top tokens by product-quantized key scores", "paged", selector="pqcache"),
     Method("magicpig", "MagicPIG: LSH-sampled keys, attention by importance sampling", "paged",
            selector="magicpig"),
 )}
+
+
+def anchor_layers(method: Method, num_layers: int, dense_layers: int) -> frozenset[int] | None:
+    """The anchor layers of a method with ``anchor_depths`` in a model of ``num_layers`` (each
+    share times the depth, rounded; none before the first sparse layer, which is always one);
+    None for the others (``reuse_every`` decides)."""
+    if not method.anchor_depths:
+        return None
+    layers = {min(num_layers - 1, max(dense_layers, round(f * num_layers))) for f in method.anchor_depths}
+    return frozenset(layers | {dense_layers})
 
 
 def reads_prompt_queries(method: Method) -> bool:
@@ -249,7 +267,8 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
         return IceCache(layers, spec, dense_layers=settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
                         device=model.device,
-                        remap=remap)
+                        remap=remap,
+                        anchors=anchor_layers(m, layers, settings.dense_layers) if m.reuse else None)
     positions(method, model, settings, tokens)  # an explicit remap is an error here
     if m.cache == "oracle":
         from .cache import OracleCache, OracleSpec

@@ -73,9 +73,15 @@ def test_methods_are_registered_with_their_properties(cpu_settings):
     from icecache.cache import IceCache
 
     omni = methods.get("omnikv")
-    cache = IceCache(30, methods.ice_spec(cpu_settings, omni), dense_layers=2, reuse_every=omni.reuse_every)
+    cache = IceCache(30, methods.ice_spec(cpu_settings, omni), dense_layers=2,
+                     anchors=methods.anchor_layers(omni, 30, 2))
     anchors = [layer.layer_idx for layer in cache.ice_layers() if layer.anchor is None]
-    assert anchors == [2, 9, 16, 23]  # the embedded model's shape: 4 filter layers of 28
+    assert anchors == [2, 8, 17]  # the embedded model's shape: OmniKV's 2, 8, 18 of 32 scaled to 30
+    followers = {layer.layer_idx: layer.anchor.layer_idx for layer in cache.ice_layers() if layer.anchor}
+    assert followers[7] == 2 and followers[16] == 8 and followers[29] == 17
+    assert methods.anchor_layers(omni, 32, 2) == {2, 8, 18}  # the authors' own model
+    assert methods.anchor_layers(omni, 4, 2) == {2}  # a tiny model: the first sparse layer
+    assert methods.anchor_layers(methods.get("ice-reuse"), 30, 2) is None  # reuse_every decides
 
 
 # -- token packing -------------------------------------------------------------------------------

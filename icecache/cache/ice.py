@@ -5,7 +5,8 @@ dense layers (:class:`~.dense.GrowingLayer`) and whose other layers are
 :class:`~.ice_layer.IceLayer`: sink and window resident, the rest of the keys and values in a host
 store, indexed by a page selector, and at each decode step the selected pages loaded into a
 fixed-size pool. ``ice-reuse``: every ``reuse_every``-th sparse layer is an anchor that selects;
-the layers after it reuse its selection.
+the layers after it reuse its selection; or ``anchors`` names the anchor layers (OmniKV's filter
+layers), each serving the layers up to the next one.
 
 Device-resident bytes per ice layer: (sink + window + page + budget) tokens x KV heads x
 head_dim x 2 (keys and values) x dtype size, whatever the context length.
@@ -29,7 +30,8 @@ from .spec import IceSpec, StepStats
 
 class IceCache(Cache):
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
-                 reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None):
+                 reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None,
+                 anchors: frozenset[int] | None = None):
         self.spec = spec
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
@@ -41,7 +43,11 @@ class IceCache(Cache):
                 layers.append(GrowingLayer() if remap is None else
                               RemapDenseLayer(remap, spec.sink_tokens, spec.dense_window))
                 continue
-            if reuse_every > 1 and (i - dense_layers) % reuse_every:
+            if anchors is not None:
+                follows = i not in anchors and anchor is not None
+            else:
+                follows = reuse_every > 1 and (i - dense_layers) % reuse_every
+            if follows:
                 layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor, remap=remap))
             else:
                 anchor = IceLayer(i, spec, self.backend, self.stats, remap=remap)

@@ -2,7 +2,8 @@
 queries and keeps the top ones; the layers after it (up to the next filter layer) reuse its
 choice of tokens (token ids are the same in every layer's host store).
 
-The filter layers are the anchors of the paged cache's layer sharing (``Method.reuse_every``).
+The filter layers are the anchors of the paged cache's layer sharing (``Method.anchor_depths``:
+the authors' layers 2, 8 and 18 of 32, scaled to the model's depth).
 Where this differs from the paper's: our filter layer attends to the tokens it chose, as the
 layers that reuse them do (OmniKV's filter layers keep their whole KV on the device and attend to
 all of it); the group's query heads rank tokens by their summed softmax weights.
