@@ -37,6 +37,7 @@ test: setup
 	$(VENV)/bin/python -m pytest -m "not slow and not gpu"
 
 test-slow: setup
+	$(PIP) install -e ".[dev,ray]"  # the Ray engine's test
 	$(VENV)/bin/python -m pytest -m "slow or gpu"
 
 lint: setup

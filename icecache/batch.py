@@ -4,6 +4,9 @@
 - Sharding: ``--shard I/N`` keeps the inputs whose path hashes to ``I`` modulo ``N`` (sha256 of
   the path as given), so N machines given the same inputs split them disjointly, each document
   exactly once, whatever order they list them in.
+- Jobs: a document's questions still to do (:func:`plan`, the resume filter both engines use),
+  run by :func:`run_job` wherever the model is: in this process (the local engine) or in a Ray
+  actor (:mod:`icecache.batch_ray`, documents longest first: :func:`longest_first`).
 - Output: one JSON object per document (per question for ``qa``) and line, written in one call
   and flushed. A rerun with the same output file skips the (resolved path, content hash, task,
   question) records already there, however the path is spelled (relative or absolute); a line
@@ -16,7 +19,9 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import time
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from .errors import UsageError
@@ -144,3 +149,96 @@ class ResultsFile:
         if self._fd is not None:
             os.close(self._fd)
             self._fd = None
+
+
+def read_input(path: str) -> tuple[bytes | None, str | None, str | None]:
+    """A document's bytes, their content hash, and the error that replaces both when it cannot
+    be read."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        return None, None, f"{path}: cannot be read ({exc.strerror or exc})"
+    return data, content_hash(data), None
+
+
+@dataclass
+class Job:
+    """One document's work: the questions (``None`` for summarize and cot) not yet in the output.
+    ``size``: its bytes (the longest-first key); ``digest``: its content hash when planned."""
+
+    path: str
+    digest: str | None
+    questions: list[str | None]
+    size: int = 0
+    attempts: int = 0  # workers that died while running it (the Ray engine)
+
+
+@dataclass
+class Plan:
+    jobs: list[Job] = field(default_factory=list)
+    skipped: int = 0  # documents whose every record is in the output already
+    failed_before: int = 0  # of those, the ones with an error record
+
+
+def pending(results: ResultsFile, path: str, digest: str | None, task: str,
+            questions: list[str | None]) -> list[str | None]:
+    """The resume filter: ``questions`` of this document (path, content) not yet in ``results``."""
+    return [q for q in questions if (resolved(path), digest, task, q) not in results.done]
+
+
+def plan(inputs: list[str], task: str, questions: list[str | None], results: ResultsFile) -> Plan:
+    """Every input read once (for its content hash; the bytes are not kept): the jobs left to
+    do, in input order, and what the output holds already."""
+    out = Plan()
+    for path in inputs:
+        data, digest, _error = read_input(path)
+        todo = pending(results, path, digest, task, questions)
+        if not todo:
+            out.skipped += 1
+            out.failed_before += any((resolved(path), digest, task, q) in results.failed for q in questions)
+            continue
+        out.jobs.append(Job(path, digest, todo, size=0 if data is None else len(data)))
+    return out
+
+
+def longest_first(jobs: list[Job]) -> list[Job]:
+    """Largest documents first (ties in input order): a pool of workers that takes the next job
+    as it frees ends with the short ones, not with one long document on one worker."""
+    return sorted(jobs, key=lambda j: -j.size)
+
+
+def run_job(runner, job: Job, data: bytes | None, read_error: str | None, task: str,
+            max_new_tokens: int, method: str, budget: int | None, emit=None) -> list[dict]:
+    """One document's records (one per question), each with ``error`` set instead of raising
+    for a document that cannot be processed (unreadable, binary, empty, too long); ``emit``
+    gets each record as soon as it is made."""
+    from .documents import decode_text
+    from .errors import IceCacheError
+
+    recs = []
+    for q in job.questions:
+        rec = {"path": job.path, "hash": job.digest, "task": task, "question": q, "output": None,
+               "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": method,
+               "budget": budget, "error": None}
+        t0 = time.perf_counter()
+        try:
+            if data is None:
+                raise IceCacheError(read_error or f"{job.path}: cannot be read")
+            text = decode_text(data, job.path)
+            if task == "summarize":
+                r = runner.summarize(text, max_new_tokens)
+            elif task == "cot":
+                r = runner.cot(text, max_new_tokens)
+            else:
+                r = runner.qa(text, [q], max_new_tokens)
+            rec.update(output=r.output[0] if task == "qa" else r.output,
+                       tokens_in=r.tokens_in, tokens_out=r.tokens_out)
+            if task == "cot":
+                rec["answer"] = r.answer
+        except IceCacheError as exc:
+            rec["error"] = str(exc)
+        rec["seconds"] = round(time.perf_counter() - t0, 3)
+        recs.append(rec)
+        if emit is not None:
+            emit(rec)
+    return recs

@@ -10,7 +10,7 @@ from typing import Annotated
 import typer
 
 from icecache.config import resolve_settings
-from icecache.errors import IceCacheError, UsageError
+from icecache.errors import UsageError
 
 from .options import BudgetOpt, MethodOpt, ModelOpt, ProfileOpt, QuietOpt, max_new_opt
 from .output import Reporter, silence_stdout, user_errors
@@ -29,10 +29,14 @@ def batch(
     method: MethodOpt = "ice",
     budget: BudgetOpt = None,
     quiet: QuietOpt = False,
+    engine: Annotated[str, typer.Option("--engine", help="local (this process) or ray (an actor pool on a Ray cluster; pip install 'icecache[ray]').")] = "local",
+    address: Annotated[str | None, typer.Option("--address", help="ray: the cluster to join (default: Ray's own, RAY_ADDRESS or a local instance).", show_default=False)] = None,
+    workers: Annotated[int | None, typer.Option("--workers", min=1, help="ray: actors, each loading the model once (default: the cluster's CPUs / --cpus-per-worker).", show_default=False)] = None,
+    cpus_per_worker: Annotated[int, typer.Option("--cpus-per-worker", min=1, help="ray: CPUs (torch threads) per actor.")] = 1,
+    gpus_per_worker: Annotated[float, typer.Option("--gpus-per-worker", min=0.0, help="ray: GPUs per actor (GPU profiles).")] = 0.0,
 ) -> None:
     """Process many documents; exit 0 if all succeeded, 3 if some failed (see their records)."""
     from icecache import batch as b
-    from icecache.documents import decode_text
     from icecache.methods import get
     from icecache.models import context_length_of, load_model, resolve_model_source
     from icecache.tasks import Runner, check_generation_room, check_questions, context_limit
@@ -50,6 +54,18 @@ def batch(
             raise UsageError("-q/--question only goes with --task qa")
         which = b.parse_shard(shard)
         settings = resolve_settings(profile, budget=budget)
+        if engine not in ("local", "ray"):
+            raise UsageError(f"--engine: '{engine}' is not one of local, ray")
+        if engine == "local":
+            given = [flag for flag, value in (("--address", address), ("--workers", workers),
+                                              ("--cpus-per-worker", cpus_per_worker != 1),
+                                              ("--gpus-per-worker", gpus_per_worker != 0)) if value]
+            if given:
+                raise UsageError(f"{', '.join(given)} only go with --engine ray")
+        else:
+            from icecache.batch_ray import check_ray
+
+            check_ray(settings, gpus_per_worker)
         budgeted = get(method).budgeted
         check_budget_flag(budget, method, quiet)
         if "-" in paths and sys.stdin is None:
@@ -60,63 +76,65 @@ def batch(
         questions = question if task == "qa" else [None]
         resolved = resolve_model_source(model, rep.info)  # the generation room, before loading
         check_generation_room(max_new_tokens, context_limit(settings, context_length_of(resolved[1]), method), resolved[0])
-        set_threads(settings.cpu_threads, rep)
-        loaded = load_model(model, settings, log=rep.info, resolved=resolved)
-        runner = Runner(loaded, settings, method)
-        failed = failed_before = done = skipped = 0
-        t0 = time.perf_counter()
-        try:
-            for n, path in enumerate(inputs, 1):
-                try:
-                    data = Path(path).read_bytes()
-                    digest = b.content_hash(data)
-                except OSError as exc:
-                    data, digest = None, None
-                    read_error = f"{path}: cannot be read ({exc.strerror or exc})"
-                keys = {q: (b.resolved(path), digest, task, q) for q in questions}
-                todo = [q for q in questions if keys[q] not in results.done]
-                if not todo:
-                    skipped += 1
-                    failed_before += any(k in results.failed for k in keys.values())
-                    continue
-                for q in todo:
-                    rec = {"path": path, "hash": digest, "task": task, "question": q, "output": None,
-                           "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": method,
-                           "budget": settings.budget if budgeted else None, "error": None}
-                    t_doc = time.perf_counter()
-                    try:
-                        if data is None:
-                            raise IceCacheError(read_error)
-                        text = decode_text(data, path)
-                        if task == "summarize":
-                            r = runner.summarize(text, max_new_tokens)
-                        elif task == "cot":
-                            r = runner.cot(text, max_new_tokens)
-                        else:
-                            r = runner.qa(text, [q], max_new_tokens)
-                        out_text = r.output[0] if task == "qa" else r.output
-                        rec.update(output=out_text, tokens_in=r.tokens_in, tokens_out=r.tokens_out)
-                        if task == "cot":
-                            rec["answer"] = r.answer
-                    except IceCacheError as exc:
-                        rec["error"] = str(exc)
-                    rec["seconds"] = round(time.perf_counter() - t_doc, 3)
-                    try:
-                        results.write(rec, sys.stdout)
-                    except BrokenPipeError:  # `| head`: the reader has what it wanted
-                        silence_stdout()
-                        raise typer.Exit(0) from None
-                    failed += rec["error"] is not None
-                done += 1
-                if not quiet:
-                    rate = done / max(1e-9, time.perf_counter() - t0) * 60
-                    left = (len(inputs) - n) / max(rate, 1e-9)
-                    rep.info(f"[{n}/{len(inputs)}] {path}: {'failed' if rec['error'] else 'ok'}; "
-                             f"{failed} failed, {rate:.1f} documents/min, ETA {left:.1f} min")
-        finally:  # Ctrl-C and SIGTERM (icecache_cli.app) leave complete lines behind
-            results.close()
+        budget_value = settings.budget if budgeted else None
+        if engine == "ray":  # the actors load the model, each once
+            from icecache.batch_ray import RayOptions, run_ray
+
+            try:
+                tally = run_ray(inputs, task, questions, results, RayOptions(
+                    address=address, workers=workers, cpus_per_worker=cpus_per_worker,
+                    gpus_per_worker=gpus_per_worker, model=model, settings=settings, method=method,
+                    budget=budget_value, max_new_tokens=max_new_tokens), rep, quiet)
+            except BrokenPipeError:  # `| head`: the reader has what it wanted
+                silence_stdout()
+                raise typer.Exit(0) from None
+            failed, failed_before, skipped = tally.failed, tally.failed_before, tally.skipped
+        else:
+            set_threads(settings.cpu_threads, rep)
+            loaded = load_model(model, settings, log=rep.info, resolved=resolved)
+            failed, failed_before, skipped = _run_local(
+                inputs, task, questions, results, Runner(loaded, settings, method), method,
+                budget_value, max_new_tokens, rep, quiet)
         if skipped:
-            rep.info(f"{skipped} documents already done in {out}, skipped"
+            rep.info(f"{skipped} documents already done in {out or 'the output'}, skipped"
                      + (f" ({failed_before} of them have only error records)" if failed_before else ""))
         if failed or failed_before:
             raise typer.Exit(b.EXIT_SOME_FAILED)
+
+
+def _run_local(inputs, task, questions, results, runner, method, budget, max_new_tokens, rep,
+               quiet) -> tuple[int, int, int]:
+    """The documents one after another in this process; returns (failed, failed before, skipped)."""
+    from icecache import batch as b
+
+    failed = failed_before = done = skipped = 0
+    t0 = time.perf_counter()
+
+    def emit(rec: dict) -> None:
+        nonlocal failed
+        try:
+            results.write(rec, sys.stdout)
+        except BrokenPipeError:  # `| head`: the reader has what it wanted
+            silence_stdout()
+            raise typer.Exit(0) from None
+        failed += rec["error"] is not None
+
+    try:
+        for n, path in enumerate(inputs, 1):
+            data, digest, read_error = b.read_input(path)
+            todo = b.pending(results, path, digest, task, questions)
+            if not todo:
+                skipped += 1
+                failed_before += any((b.resolved(path), digest, task, q) in results.failed for q in questions)
+                continue
+            recs = b.run_job(runner, b.Job(path, digest, todo), data, read_error, task, max_new_tokens,
+                             method, budget, emit=emit)
+            done += 1
+            if not quiet:
+                rate = done / max(1e-9, time.perf_counter() - t0) * 60
+                left = (len(inputs) - n) / max(rate, 1e-9)
+                rep.info(f"[{n}/{len(inputs)}] {path}: {'failed' if recs[-1]['error'] else 'ok'}; "
+                         f"{failed} failed, {rate:.1f} documents/min, ETA {left:.1f} min")
+    finally:  # Ctrl-C and SIGTERM (icecache_cli.app) leave complete lines behind
+        results.close()
+    return failed, failed_before, skipped
