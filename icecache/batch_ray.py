@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -141,8 +142,11 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
     started_here = not ray.is_initialized()
     try:
         if started_here:
+            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
             ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.ERROR)
+            for sig, handler in handlers.items():  # ray.init sets its own SIGTERM handler
+                signal.signal(sig, handler)
     except Exception as exc:  # a wrong address, a cluster that does not answer
         results.close()
         raise IceCacheError(f"--engine ray: cannot start or join Ray ({_last_line(exc)})") from None

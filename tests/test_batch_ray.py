@@ -87,3 +87,25 @@ def test_ray_engine_equals_local_and_survives_a_killed_worker(folder, one_thread
     again = run_cli([*common, *RAY, "--out", str(ray_out)], timeout=300)
     assert again.returncode == 3 and len(records(ray_out)) == 12
     assert "12 documents already done" in again.stderr.decode()
+
+
+def test_sigterm_stops_the_driver_and_its_workers_with_whole_lines(folder, one_thread, tmp_path):
+    out = tmp_path / "ray.jsonl"
+    args = ["batch", str(folder), "--max-new-tokens", "8", "--profile", one_thread, *RAY, "--out", str(out)]
+    proc = subprocess.Popen([sys.executable, "-m", "icecache_cli", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    deadline = time.time() + 600
+    while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 1):
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(120) == 143
+    assert proc.stderr.read().decode().splitlines()[-1] == "icecache: error: terminated"
+    first = records(out)  # every line parses
+    assert 1 <= len(first) < 12
+    time.sleep(2)
+    left = subprocess.run(["pgrep", "-f", "ray::_Worker"], capture_output=True, text=True).stdout.split()
+    assert left == []  # the local instance and its workers ended with the driver
+    r = run_cli(args, timeout=900)
+    assert r.returncode == 3, r.stderr.decode()
+    paths = [x["path"] for x in records(out)]
+    assert len(paths) == 12 and len(set(paths)) == 12
