@@ -8,7 +8,8 @@ document when it sends it (the workers need no access to the inputs, only to the
 writes every record it gets back to the one output, line by line, as the local engine does.
 
 An actor that dies (its process killed, its node lost) is replaced, and the document it held is
-tried again, up to :data:`MAX_ATTEMPTS` times in all; then it gets an error record. A document
+tried again, up to :data:`MAX_ATTEMPTS` times in all; then it gets an error record. Workers that
+cannot start (the model does not load there) end the run after :data:`MAX_ATTEMPTS` in a row. A document
 that fails inside a live actor gets its error record as with the local engine. Ctrl-C or SIGTERM
 of the driver stops it between two records (every written line is whole) and ends the actors.
 """
@@ -82,6 +83,11 @@ class Scheduler:
 
     def finished(self, job: Job) -> None:
         self.running -= 1
+
+    def requeue(self, job: Job) -> None:
+        """``job`` never started (its worker failed to start): first in the queue again."""
+        self.running -= 1
+        self.queue.appendleft(job)
 
     def died(self, job: Job) -> bool:
         """The worker running ``job`` died: True if it is queued again (first, as the longest
@@ -165,6 +171,7 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
     sched = Scheduler(todo.jobs)
     inflight: dict = {}  # object ref -> (actor, job)
     idle = [new_actor() for _ in range(size)]
+    failed_starts = 0  # workers in a row whose model did not load
     t0 = time.perf_counter()
 
     def write(recs: list[dict]) -> None:
@@ -189,6 +196,13 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
                     recs = ray.get(ref)
                 except RayActorError as exc:  # the process died: a new actor, the job again
                     idle.append(new_actor())
+                    if exc.actor_init_failed:  # the model did not load: not the document's fault
+                        failed_starts += 1
+                        if failed_starts >= MAX_ATTEMPTS:
+                            raise IceCacheError(f"--engine ray: {failed_starts} workers in a row could not "
+                                                f"start ({_last_line(exc)})") from None
+                        sched.requeue(job)
+                        continue
                     if sched.died(job):
                         if not quiet:
                             rep.warn(f"ray: a worker died while processing {job.path}; trying it again "
@@ -203,6 +217,7 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
                 else:
                     sched.finished(job)
                     idle.append(actor)
+                    failed_starts = 0
                 write(recs)
                 tally.done += 1
                 if not quiet:

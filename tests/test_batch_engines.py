@@ -71,6 +71,10 @@ def test_the_scheduler_hands_out_longest_first_and_retries_a_dead_workers_job():
     assert s.next().path == "short" and s
     s.finished(jobs[0])
     assert not s and s.next() is None
+    s = Scheduler([b.Job("x", "h", [None], size=1)])
+    job = s.next()
+    s.requeue(job)  # its worker never started: not an attempt
+    assert s.next() is job and job.attempts == 0
 
 
 def test_a_document_whose_worker_kept_dying_gets_one_error_record_per_question():
