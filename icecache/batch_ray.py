@@ -127,6 +127,19 @@ class _Worker:
         return run_job(self.runner, job, data, read_error, task, max_new_tokens, method, budget)
 
 
+def _pending_signal(arrived: list[int], handlers: dict) -> None:
+    """Run the previous handler of a signal that arrived (the CLI's raises to unwind)."""
+    if not arrived:
+        return
+    signum = arrived[0]
+    handler = handlers[signum]
+    signal.signal(signum, handler)
+    if callable(handler):
+        handler(signum, None)
+    elif handler == signal.SIG_DFL:
+        raise KeyboardInterrupt if signum == signal.SIGINT else SystemExit(128 + signum)
+
+
 def _last_line(exc: BaseException) -> str:
     lines = [x.strip() for x in str(exc).strip().splitlines() if x.strip()]
     return lines[-1] if lines else type(exc).__name__
@@ -135,10 +148,8 @@ def _last_line(exc: BaseException) -> str:
 def run_ray(inputs: list[str], task: str, questions: list[str | None], results: ResultsFile,
             opts: RayOptions, rep, quiet: bool) -> Tally:
     """Every pending document of ``inputs`` through the actor pool; records into ``results``."""
-    import sys
 
     import ray
-    from ray.exceptions import RayActorError, RayTaskError
 
     todo = plan(inputs, task, questions, results)
     tally = Tally(skipped=todo.skipped, failed_before=todo.failed_before)
@@ -146,16 +157,42 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
         results.close()
         return tally
     started_here = not ray.is_initialized()
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    arrived: list[int] = []
     try:
         if started_here:
-            handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
             ray.init(address=opts.address, include_dashboard=False, log_to_driver=False,
                      logging_level=logging.ERROR)
-            for sig, handler in handlers.items():  # ray.init sets its own SIGTERM handler
-                signal.signal(sig, handler)
     except Exception as exc:  # a wrong address, a cluster that does not answer
         results.close()
         raise IceCacheError(f"--engine ray: cannot start or join Ray ({_last_line(exc)})") from None
+    # A signal only notes itself while Ray's own code runs (an exception raised inside its Cython
+    # calls comes out as a SystemError); the loop hands it to the previous handler between calls.
+    for sig in handlers:
+        signal.signal(sig, lambda signum, _frame: arrived.append(signum))
+    inflight: dict = {}  # object ref -> (actor, job)
+    idle: list = []
+    try:
+        return _drive(ray, todo, task, results, opts, rep, quiet, tally, arrived, handlers, inflight, idle)
+    finally:  # Ctrl-C and SIGTERM: whole lines only (one write each), then the actors end
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        results.close()
+        for actor in [a for a, _job in inflight.values()] + idle:
+            try:
+                ray.kill(actor, no_restart=True)
+            except Exception:  # already gone
+                pass
+        if started_here:
+            ray.shutdown()
+
+
+def _drive(ray, todo, task, results, opts, rep, quiet, tally, arrived, handlers, inflight, idle) -> Tally:
+    """The scheduling loop of :func:`run_ray` (which cleans up after it)."""
+    import sys
+
+    from ray.exceptions import RayActorError, RayTaskError
+
     actor_cls = ray.remote(_Worker).options(num_cpus=opts.cpus_per_worker, num_gpus=opts.gpus_per_worker,
                                             max_restarts=0, max_task_retries=0)
     cpus = int(ray.cluster_resources().get("CPU", 1))
@@ -169,8 +206,7 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
         return actor_cls.remote(opts.model, opts.settings, opts.method, opts.cpus_per_worker)
 
     sched = Scheduler(todo.jobs)
-    inflight: dict = {}  # object ref -> (actor, job)
-    idle = [new_actor() for _ in range(size)]
+    idle.extend(new_actor() for _ in range(size))
     failed_starts = 0  # workers in a row whose model did not load
     t0 = time.perf_counter()
 
@@ -179,60 +215,52 @@ def run_ray(inputs: list[str], task: str, questions: list[str | None], results: 
             results.write(rec, sys.stdout)
             tally.failed += rec["error"] is not None
 
-    try:
-        while sched:
-            while idle and sched.queue:
-                job = sched.next()
-                data, digest, read_error = read_input(job.path)
-                job.digest = digest if digest is not None else job.digest  # what is sent is recorded
-                actor = idle.pop()
-                ref = actor.run.remote(job, data, read_error, task, opts.max_new_tokens, opts.method,
-                                       opts.budget)
-                inflight[ref] = (actor, job)
-            ready, _ = ray.wait(list(inflight), num_returns=1)
-            for ref in ready:
-                actor, job = inflight.pop(ref)
-                try:
-                    recs = ray.get(ref)
-                except RayActorError as exc:  # the process died: a new actor, the job again
-                    idle.append(new_actor())
-                    if exc.actor_init_failed:  # the model did not load: not the document's fault
-                        failed_starts += 1
-                        if failed_starts >= MAX_ATTEMPTS:
-                            raise IceCacheError(f"--engine ray: {failed_starts} workers in a row could not "
-                                                f"start ({_last_line(exc)})") from None
-                        sched.requeue(job)
-                        continue
-                    if sched.died(job):
-                        if not quiet:
-                            rep.warn(f"ray: a worker died while processing {job.path}; trying it again "
-                                     f"(attempt {job.attempts + 1} of {sched.max_attempts})")
-                        continue
-                    recs = error_records(job, task, opts, f"{job.path}: the worker died {job.attempts} "
-                                         f"times while processing it ({_last_line(exc)})")
-                except RayTaskError as exc:  # an unexpected error inside a live actor
-                    sched.finished(job)
-                    idle.append(actor)
-                    recs = error_records(job, task, opts, f"{job.path}: {_last_line(exc)}")
-                else:
-                    sched.finished(job)
-                    idle.append(actor)
-                    failed_starts = 0
-                write(recs)
-                tally.done += 1
-                if not quiet:
-                    rate = tally.done / max(1e-9, time.perf_counter() - t0) * 60
-                    left = len(todo.jobs) - tally.done
-                    rep.info(f"[{tally.done}/{len(todo.jobs)}] {job.path}: "
-                             f"{'failed' if recs[-1]['error'] else 'ok'}; {tally.failed} failed, "
-                             f"{rate:.1f} documents/min, {left} left")
-    finally:  # Ctrl-C and SIGTERM: whole lines only (one write each), then the actors end
-        results.close()
-        for actor in [a for a, _job in inflight.values()] + idle:
+    while sched:
+        _pending_signal(arrived, handlers)
+        while idle and sched.queue:
+            job = sched.next()
+            data, digest, read_error = read_input(job.path)
+            job.digest = digest if digest is not None else job.digest  # what is sent is recorded
+            actor = idle.pop()
+            ref = actor.run.remote(job, data, read_error, task, opts.max_new_tokens, opts.method,
+                                   opts.budget)
+            inflight[ref] = (actor, job)
+        ready, _ = ray.wait(list(inflight), num_returns=1, timeout=0.5)
+        for ref in ready:
+            actor, job = inflight.pop(ref)
             try:
-                ray.kill(actor, no_restart=True)
-            except Exception:  # already gone
-                pass
-        if started_here:
-            ray.shutdown()
+                recs = ray.get(ref)
+            except RayActorError as exc:  # the process died: a new actor, the job again
+                idle.append(new_actor())
+                if exc.actor_init_failed:  # the model did not load: not the document's fault
+                    failed_starts += 1
+                    if failed_starts >= MAX_ATTEMPTS:
+                        raise IceCacheError(f"--engine ray: {failed_starts} workers in a row could not "
+                                            f"start ({_last_line(exc)})") from None
+                    sched.requeue(job)
+                    continue
+                if sched.died(job):
+                    if not quiet:
+                        rep.warn(f"ray: a worker died while processing {job.path}; trying it again "
+                                 f"(attempt {job.attempts + 1} of {sched.max_attempts})")
+                    continue
+                recs = error_records(job, task, opts, f"{job.path}: the worker died {job.attempts} "
+                                     f"times while processing it ({_last_line(exc)})")
+            except RayTaskError as exc:  # an unexpected error inside a live actor
+                sched.finished(job)
+                idle.append(actor)
+                recs = error_records(job, task, opts, f"{job.path}: {_last_line(exc)}")
+            else:
+                sched.finished(job)
+                idle.append(actor)
+                failed_starts = 0
+            write(recs)
+            tally.done += 1
+            if not quiet:
+                rate = tally.done / max(1e-9, time.perf_counter() - t0) * 60
+                left = len(todo.jobs) - tally.done
+                rep.info(f"[{tally.done}/{len(todo.jobs)}] {job.path}: "
+                         f"{'failed' if recs[-1]['error'] else 'ok'}; {tally.failed} failed, "
+                         f"{rate:.1f} documents/min, {left} left")
+    _pending_signal(arrived, handlers)  # one that came with the last record
     return tally
