@@ -186,6 +186,20 @@ def pending(results: ResultsFile, path: str, digest: str | None, task: str,
     return [q for q in questions if (resolved(path), digest, task, q) not in results.done]
 
 
+def only_errors(results: ResultsFile, path: str, digest: str | None, task: str,
+                questions: list[str | None]) -> bool:
+    """Whether a document that is done has an error record without a good one (exit code 3)."""
+    return any((resolved(path), digest, task, q) in results.failed for q in questions)
+
+
+def record(path: str, digest: str | None, task: str, question: str | None, method: str,
+           budget: int | None, error: str | None = None) -> dict:
+    """A result record before its output is filled in (the fields every line has)."""
+    return {"path": path, "hash": digest, "task": task, "question": question, "output": None,
+            "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": method, "budget": budget,
+            "error": error}
+
+
 def plan(inputs: list[str], task: str, questions: list[str | None], results: ResultsFile) -> Plan:
     """Every input read once (for its content hash; the bytes are not kept): the jobs left to
     do, in input order, and what the output holds already."""
@@ -195,7 +209,7 @@ def plan(inputs: list[str], task: str, questions: list[str | None], results: Res
         todo = pending(results, path, digest, task, questions)
         if not todo:
             out.skipped += 1
-            out.failed_before += any((resolved(path), digest, task, q) in results.failed for q in questions)
+            out.failed_before += only_errors(results, path, digest, task, questions)
             continue
         out.jobs.append(Job(path, digest, todo, size=0 if data is None else len(data)))
     return out
@@ -217,9 +231,7 @@ def run_job(runner, job: Job, data: bytes | None, read_error: str | None, task: 
 
     recs = []
     for q in job.questions:
-        rec = {"path": job.path, "hash": job.digest, "task": task, "question": q, "output": None,
-               "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": method,
-               "budget": budget, "error": None}
+        rec = record(job.path, job.digest, task, q, method, budget)
         t0 = time.perf_counter()
         try:
             if data is None:

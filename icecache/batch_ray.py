@@ -23,7 +23,7 @@ import time
 from collections import deque
 from dataclasses import dataclass
 
-from .batch import Job, ResultsFile, longest_first, plan, read_input, run_job
+from .batch import Job, ResultsFile, longest_first, plan, read_input, record, run_job
 from .config import Settings
 from .errors import IceCacheError, UsageError
 
@@ -102,9 +102,7 @@ class Scheduler:
 
 def error_records(job: Job, task: str, opts: RayOptions, error: str) -> list[dict]:
     """A document's records when no worker could give them (one per question, as run_job's)."""
-    return [{"path": job.path, "hash": job.digest, "task": task, "question": q, "output": None,
-             "tokens_in": 0, "tokens_out": 0, "seconds": 0.0, "method": opts.method,
-             "budget": opts.budget, "error": error} for q in job.questions]
+    return [record(job.path, job.digest, task, q, opts.method, opts.budget, error) for q in job.questions]
 
 
 class _Worker:

@@ -125,7 +125,7 @@ def _run_local(inputs, task, questions, results, runner, method, budget, max_new
             todo = b.pending(results, path, digest, task, questions)
             if not todo:
                 skipped += 1
-                failed_before += any((b.resolved(path), digest, task, q) in results.failed for q in questions)
+                failed_before += b.only_errors(results, path, digest, task, questions)
                 continue
             recs = b.run_job(runner, b.Job(path, digest, todo), data, read_error, task, max_new_tokens,
                              method, budget, emit=emit)
