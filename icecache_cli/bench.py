@@ -34,6 +34,7 @@ def bench_main(
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl (each row appended as soon as it is measured).", show_default=False)] = None,
+    positions: Annotated[str | None, typer.Option("--positions", help="RoPE positions past the trained context: remap, true or auto; several comma-separated are each measured in this run (own prefill each), e.g. remap,true. Default: the profile's.", show_default=False)] = None,
     opts: BenchOptions = None,
 ) -> None:
     """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method.
@@ -57,6 +58,7 @@ def bench_main(
         if not method_list:
             raise UsageError("--methods: give at least one method")
         settings = resolve_settings(opts.profile, budget=opts.budget, weights=opts.weights)
+        position_list = parse_positions(positions, settings)
         limit = parse_size(full_prefill_max)
         if out is not None:
             if out.exists() and not out.is_dir():
@@ -64,7 +66,8 @@ def bench_main(
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps({
                 "ctx": sizes, "methods": method_list, "decode_steps": steps, "full_prefill_max": limit,
-                "max_seconds": max_seconds, "settings": settings.__dict__, "model": opts.model or "embedded"}, indent=1))
+                "max_seconds": max_seconds, "positions": position_list, "settings": settings.__dict__,
+                "model": opts.model or "embedded"}, indent=1))
     with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
         loaded = load_model(opts.model, settings, log=rep.info)
         results = []
@@ -89,21 +92,66 @@ def bench_main(
             rep.info(row_line(row))
 
         for n in sizes:
-            rows = full_bench.run_ctx(loaded, settings, method_list, n, steps=steps,
-                                      full_prefill_max=limit, max_seconds=max_seconds, log=log,
-                                      on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None,
-                                      on_step=on_step, on_row=on_row)
-            rep.close()
-            results.extend(r.as_dict() for r in rows)
-            if not quiet:
-                print_bench_table(rows, n)
+            by_positions = {}
+            for pos in position_list:
+                if len(position_list) > 1:
+                    log(f"positions {pos} at {n} tokens ...")
+                rows = full_bench.run_ctx(loaded, settings.replace(positions=pos), method_list, n, steps=steps,
+                                          full_prefill_max=limit, max_seconds=max_seconds, log=log,
+                                          on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None,
+                                          on_step=on_step, on_row=on_row)
+                rep.close()
+                results.extend(r.as_dict() for r in rows)
+                by_positions[pos] = rows
+                if not quiet:
+                    print_bench_table(rows, n, f"positions {pos}" if len(position_list) > 1 else "")
+            if not quiet and len(position_list) > 1:
+                for line in positions_ratios(by_positions):
+                    stderr.print(line, markup=False)
         if as_json:
             emit(json.dumps({"results": results}))
 
 
+def parse_positions(text: str | None, settings) -> list[str]:
+    """``--positions``: one or more of remap, true, auto (distinct, in the given order); the
+    profile's setting when not given."""
+    from icecache.config import POSITIONS
+
+    if text is None:
+        return [settings.positions]
+    out = []
+    for p in (x.strip() for x in text.split(",")):
+        if p not in POSITIONS:
+            raise UsageError(f"--positions: '{p}' is not one of {', '.join(POSITIONS)}")
+        if p in out:
+            raise UsageError(f"--positions: '{p}' is given twice")
+        if p == "remap" and settings.rope_scaling != "none":
+            raise UsageError("--positions remap: the profile sets rope_scaling, which excludes it")
+        out.append(p)
+    return out
+
+
+def positions_ratios(by_positions: dict[str, list]) -> list[str]:
+    """Per method measured under the first and each other ``--positions`` value: their TPOT and
+    prefill tokens/s, as ratios (the first value's over the other's)."""
+    names = list(by_positions)
+    first = {r.method: r for r in by_positions[names[0]] if r.status == "ok"}
+    lines = []
+    for other in names[1:]:
+        for r in by_positions[other]:
+            a = first.get(r.method)
+            if a is None or r.status != "ok" or a.positions == r.positions:
+                continue
+            pre = (f", prefill tokens/s {a.prefill_tok_s:.1f} vs {r.prefill_tok_s:.1f} "
+                   f"({a.prefill_tok_s / r.prefill_tok_s:.3f}x)") if a.prefill_tok_s and r.prefill_tok_s else ""
+            lines.append(f"{r.method} at {r.ctx} tokens, positions {a.positions} vs {r.positions}: "
+                         f"TPOT {a.tpot_ms:.1f} vs {r.tpot_ms:.1f} ms ({a.tpot_ms / r.tpot_ms:.3f}x){pre}")
+    return lines
+
+
 def row_line(r) -> str:
     """One row as one status line."""
-    head = f"{r.method} at {r.ctx} tokens: "
+    head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions)" if r.positions else "") + ": "
     if r.status != "ok":
         return head + r.status + (f" ({r.reason})" if r.reason else "")
     return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}), TT2T {r.tt2t_s:.1f} s, "
@@ -111,9 +159,9 @@ def row_line(r) -> str:
             f"peak RSS {(r.peak_rss_bytes or 0) / 2**30:.2f} GiB")
 
 
-def print_bench_table(rows, n: int) -> None:
+def print_bench_table(rows, n: int, label: str = "") -> None:
     """The rows as a table that fits 80 columns; statuses' reasons and KV sources as notes."""
-    t = Table(title=f"icecache bench: {n} tokens", box=None, padding=(0, 1), pad_edge=False,
+    t = Table(title=f"icecache bench: {n} tokens" + (f", {label}" if label else ""), box=None, padding=(0, 1), pad_edge=False,
               collapse_padding=True)
     for c in ("method", "TT2T", "tok/s", "TPOT", "p90", "xfull", "xdense", "q/ld/at/rest", "KV",
               "host", "RSS"):

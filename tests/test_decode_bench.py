@@ -96,3 +96,26 @@ def test_bench_skips_what_cannot_fit_and_hands_rows_over_as_measured(loaded, cpu
     for r in rows[1:]:
         need = real_need(r.method, loaded.model.config, settings, 300 + 1 + 1 + 1)
         assert r.device_kv_bytes + r.host_kv_bytes <= need.total, r.method
+
+
+def test_bench_positions_measured_side_by_side():
+    """`icecache bench --positions remap,true`: each positions value gets its own prefill and
+    rows in one run (labelled with the session's choice), and a line compares their TPOT and
+    prefill tokens/s; a bad value is a usage error before the model loads."""
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "--ctx", "700", "--methods", "ice", "--decode-steps", "2", "--full-prefill-max",
+                 "400", "--budget", "64", "--positions", "remap,true", "--json"])
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [(x["method"], x["positions"], x["kv_source"]) for x in rows] == [
+        ("ice", "remap", "own sparse prefill"), ("ice", "true", "own sparse prefill")]
+    assert all(x["status"] == "ok" and x["tpot_ms"] > 0 and x["prefill_tok_s"] > 0 for x in rows)
+    err = r.stderr.decode()
+    assert "ice at 700 tokens, positions remap vs true: TPOT" in err and "prefill tokens/s" in err
+    bad = run_cli(["bench", "--ctx", "700", "--positions", "remap,sideways"])
+    assert bad.returncode == 2 and "'sideways' is not one of" in bad.stderr.decode()
+    twice = run_cli(["bench", "--ctx", "700", "--positions", "true,true"])
+    assert twice.returncode == 2 and "given twice" in twice.stderr.decode()

@@ -38,6 +38,7 @@ from .warm import ensure_warm
 class BenchRow:
     method: str
     ctx: int
+    positions: str = ""  # how the run set RoPE positions: remap or true (the session's choice)
     status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap
     reason: str = ""
     kv_source: str = ""
@@ -94,6 +95,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     row.peak_device_bytes = (torch.cuda.max_memory_allocated() if cuda
                              else max(resident_before, resident_peak, r.device_kv_bytes))
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
+    row.positions = session.positions
     return row
 
 
