@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
+MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
 WEIGHT_FORMATS = ("float", "int8")  # icecache.weights
 MAX_THREADS = 256
 
@@ -61,8 +62,9 @@ class Settings:
     # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
     # direction) or "similar" (balanced k-means groups; nearest-sibling inserts; 2-means splits)
     index_pages: str = "projection"
-    # how a GQA group shares its KV head's pages: "ranks" (interleaved rank by rank) or "mass"
-    # (the pages holding the most of the group's summed attention, estimated)
+    # how a GQA group shares its KV head's pages: "ranks" (interleaved rank by rank), "mass"
+    # (the pages holding the most of the group's summed attention, estimated) or "peaks" (the
+    # same estimate from each page's best member)
     index_merge: str = "ranks"
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
@@ -157,8 +159,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_beam", "must be >= 1")
     if not 0 <= s.index_beam_frac < 1:
         raise bad("index_beam_frac", "must be in [0, 1)")
-    if s.index_merge not in ("ranks", "mass"):
-        raise bad("index_merge", "must be 'ranks' or 'mass'")
+    if s.index_merge not in MERGES:
+        raise bad("index_merge", f"must be one of {', '.join(MERGES)}")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

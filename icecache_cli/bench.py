@@ -218,7 +218,7 @@ def index(
     pages: Annotated[str, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
                                        "projection, similar, or both comma-separated (same keys).")] = "projection",
     merge: Annotated[str, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
-                                       "ranks, mass, or both comma-separated (same keys).")] = "ranks",
+                                       "ranks, mass, peaks, or several comma-separated (same keys).")] = "ranks",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -227,6 +227,7 @@ def index(
     from icecache.bench.capture import capture
     from icecache.bench.index_bench import IndexBenchResult, run_layer
     from icecache.index import IndexConfig
+    from icecache.index.config import MERGES
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:
@@ -244,8 +245,8 @@ def index(
                 raise UsageError(f"--pages: '{m}' is not projection or similar")
         merges = [m.strip() for m in merge.split(",") if m.strip()]
         for m in merges:
-            if m not in ("ranks", "mass"):
-                raise UsageError(f"--merge: '{m}' is not ranks or mass")
+            if m not in MERGES:
+                raise UsageError(f"--merge: '{m}' is not one of {', '.join(MERGES)}")
         configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m)
                    for p in modes for m in merges]
         for n in sizes:

@@ -429,3 +429,42 @@ def test_mass_merge_with_full_beam_equals_the_softmax_page_mass_reference():
     ranks = DCITree(16, IndexConfig(page_size=8, beam=10_000))
     ranks.insert(keys)
     assert ranks.select_group(queries, 40, 5).tolist() != trees[0].select_group(queries, 40, 5).tolist()
+
+
+def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
+    """The peaks merge ranks pages by each query's softmax over the pages' best scores, summed
+    over the group (NumPy reference here, every key scanned by a full beam); through
+    ``select_layer`` as through one tree. The rule names agree between the profile check and
+    the kernels' codes."""
+    from icecache import config
+    from icecache.index import select_layer
+    from icecache.index.config import MERGES
+
+    assert config.MERGES == MERGES
+    keys = clustered(2500, d=16, clusters=30, seed=14)
+    queries = clustered(3, d=16, clusters=30, seed=15)  # flat enough that peaks and mass differ
+    cfg = IndexConfig(page_size=8, beam=10_000, merge="peaks")
+    trees = []
+    for h in range(2):
+        t = DCITree(16, cfg)
+        t.insert(keys + 0.01 * h)
+        trees.append(t)
+    for pages in (1, 5, 12):
+        for h, t in enumerate(trees):
+            s = (queries @ (keys + 0.01 * h).T) / 4.0  # scale 1 / sqrt(16)
+            live = t.live_pages()
+            best = np.full((len(queries), t.npages), -np.inf)
+            for r in range(len(queries)):
+                np.maximum.at(best[r], t.tok_page[: t.n], s[r])
+            w = np.exp(best[:, live] - best[:, live].max(1, keepdims=True))
+            w /= w.sum(1, keepdims=True)
+            want = live[np.argsort(-w.sum(0), kind="stable")[:pages]]
+            got = t.select_group(queries, pages * 8, pages)
+            assert sorted(got.tolist()) == sorted(want.tolist())
+            assert got[0] == want[0]
+        both = select_layer(trees, np.stack([queries, queries]).astype(np.float32), pages * 8, pages)
+        assert [b.tolist() for b in both] == [t.select_group(queries, pages * 8, pages).tolist() for t in trees]
+    # the mass merge of the same keys picks other pages here (it is the other rule)
+    mass = DCITree(16, IndexConfig(page_size=8, beam=10_000, merge="mass"))
+    mass.insert(keys)
+    assert set(mass.select_group(queries, 96, 12).tolist()) != set(trees[0].select_group(queries, 96, 12).tolist())

@@ -25,9 +25,11 @@ from .warm import warm_tree
 # ``parent_pages``: the same keys grouped by k-means (one cluster per page) and by exact nearest
 # parent (one parent per page of keys), chosen the same way (``kmeans_gqa``: the group's lists
 # merged as the cache merges). The yardsticks are skipped above ``GROUPINGS_MAX`` keys (k-means
-# costs keys x clusters per iteration).
+# costs keys x clusters per iteration). ``oracle_gqa``: the tree's pages of largest exact
+# attention mass summed over the group's queries, one budget per KV head: the most any GQA merge
+# of these pages can hold (the ceiling of ``ice_gqa``).
 METHODS = ("ice", "oracle_pages", "kmeans_pages", "parent_pages", "exact_topk", "quest", "sink_window",
-           "ice_gqa", "kmeans_gqa")
+           "ice_gqa", "oracle_gqa", "kmeans_gqa")
 GROUPINGS_MAX = 40_000
 
 
@@ -159,6 +161,11 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
                 merged = tree.select_group(qs, budget, P)  # the cache's own selection
                 gqa_tok = mid[np.isin(page_of, merged)]
+                group_mass = np.zeros(tree.npages)
+                for p in probs:
+                    np.add.at(group_mass, page_of, p[mid])
+                best_group = live[np.argsort(-group_mass[live], kind="stable")][:P]
+                oracle_gqa_tok = mid[np.isin(page_of, best_group)]
                 chosen = {name: [groupings_mod.oracle_pages(g, sc, P) for sc in exact_scores]
                           for name, g in groupings.items()}
                 if "kmeans_pages" in chosen:
@@ -174,6 +181,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     table["exact_topk"].append(_mass(p, fixed, mid[np.argsort(-exact_scores[r])[:budget]]))
                     table["sink_window"].append(_mass(p, fixed, mid[:0]))
                     table["ice_gqa"].append(_mass(p, fixed, gqa_tok))
+                    table["oracle_gqa"].append(_mass(p, fixed, oracle_gqa_tok))
                     for name, g in groupings.items():
                         table[name].append(_mass(p, fixed, mid[np.isin(g, chosen[name][r])]))
                     if "kmeans_pages" in chosen:

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .kernels.shared import MERGES  # the GQA merge rules, in the order of their kernel codes
+
 
 @dataclass(frozen=True)
 class IndexConfig:
@@ -22,8 +24,9 @@ class IndexConfig:
     direction; a full page splits in half along it) or ``similar`` (balanced k-means groups at a
     bulk build; a new child joins its nearest sibling's page; a full page splits by balanced
     2-means). ``merge``: how a GQA group's queries share one KV head's pages: ``ranks`` (each
-    query's pages by best member, interleaved rank by rank) or ``mass`` (the pages holding the
-    most of the group's summed attention, estimated from the scanned scores).
+    query's pages by best member, interleaved rank by rank), ``mass`` (the pages holding the
+    most of the group's summed attention, estimated from the scanned scores) or ``peaks`` (the
+    same estimate from each page's best scanned member: one exponential per page and query).
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
@@ -46,8 +49,8 @@ class IndexConfig:
     merge: str = "ranks"
 
     def __post_init__(self):
-        if self.merge not in ("ranks", "mass"):
-            raise ValueError("merge must be 'ranks' or 'mass'")
+        if self.merge not in MERGES:
+            raise ValueError(f"merge must be one of {', '.join(MERGES)}")
         if self.pages not in ("projection", "similar"):
             raise ValueError("pages must be 'projection' or 'similar'")
         if self.promotion not in ("deterministic", "random"):

@@ -384,9 +384,9 @@ class DCITree:
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
             self.lo, self.hi, self.node_size, self.tok_page, self._sid, self._ssc)
 
-    def merge_args(self) -> tuple[bool, float]:
-        """(by_mass, softmax scale) of the group merge for the shared-walk kernels."""
-        return self.cfg.merge == "mass", float(self.d) ** -0.5
+    def merge_args(self) -> tuple[int, float]:
+        """(merge rule's code, softmax scale) of the group merge for the shared-walk kernels."""
+        return kernels.MERGES.index(self.cfg.merge), float(self.d) ** -0.5
 
     # -- introspection --------------------------------------------------------------------------
     def live_pages(self) -> np.ndarray:

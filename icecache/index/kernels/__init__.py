@@ -20,8 +20,15 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
 from .build import attach_sorted, insert_child, nearest_among, parents_by_tree
 from .pages import group_pages, merge_ranked, ranked_pages
 from .query import query_tree, search_many, select_group, topk_indices
-from .shared import best_pages, search_group_shared, select_group_shared, select_heads_shared
+from .shared import (
+           MERGES,
+           best_pages,
+           peak_pages,
+           search_group_shared,
+           select_group_shared,
+           select_heads_shared,
+)
 
-__all__ = ["attach_sorted", "best_pages", "group_pages", "insert_child", "merge_ranked", "nearest_among",
-           "parents_by_tree", "query_tree", "ranked_pages", "search_group_shared", "search_many",
+__all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "merge_ranked", "nearest_among",
+           "parents_by_tree", "peak_pages", "query_tree", "ranked_pages", "search_group_shared", "search_many",
            "select_group", "select_group_shared", "select_heads_shared", "topk_indices"]

@@ -136,6 +136,9 @@ def page_runs(scratch_pages, kept):
     return pages[:n], starts[: n + 1]
 
 
+NEGLIGIBLE = 16.0  # mass_pages: a scaled score this far below a query best adds under 1.2e-7 of it
+
+
 @njit(nogil=True, cache=True)
 def best_pages(pages, starts, scratch_scores, r, max_pages):
     """Query ``r``'s pages (runs of :func:`page_runs`) ranked by their best scored member, at
@@ -164,45 +167,94 @@ def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
     Each query's softmax (scores x ``scale``) is taken over the rows the walk scanned (they hold
     its largest scores), and a page's estimate is the sum over the group's queries of its
     scanned members' weights: the pages that hold the most of the group's summed attention,
-    the figure the selection is judged by. ``scratch_scores`` is read only.
+    the figure the selection is judged by. One exponential per row and query, none for a row
+    more than :data:`NEGLIGIBLE` below the query's best (its weight is under 1e-13 of the
+    best's). ``scratch_scores`` is read only.
     """
-    kept = starts[pages.shape[0]]
-    g = scratch_scores.shape[1]
-    top = np.full(g, -np.inf, np.float32)
-    for i in range(kept):
-        for r in range(g):
-            top[r] = max(top[r], scratch_scores[i, r] * norms[r] * scale)
-    weight = np.empty((kept, g), np.float32)  # each exponential once
-    z = np.zeros(g, np.float32)
-    for i in range(kept):
-        for r in range(g):
-            e = np.exp(scratch_scores[i, r] * norms[r] * scale - top[r])
-            weight[i, r] = e
-            z[r] += e
     n = pages.shape[0]
+    kept = starts[n]
+    g = scratch_scores.shape[1]
+    c = np.empty(g, np.float32)
+    top = np.full(g, -np.inf, np.float32)
+    for r in range(g):
+        c[r] = norms[r] * scale
+    for i in range(kept):
+        for r in range(g):
+            top[r] = max(top[r], scratch_scores[i, r] * c[r])
+    z = np.zeros(g, np.float32)
+    per_page = np.zeros((n, g), np.float32)
+    for j in range(n):
+        for i in range(starts[j], starts[j + 1]):
+            for r in range(g):
+                x = scratch_scores[i, r] * c[r] - top[r]
+                if x > -NEGLIGIBLE:
+                    e = np.exp(x)
+                    per_page[j, r] += e
+                    z[r] += e
     mass = np.zeros(n, np.float32)
     for j in range(n):
         acc = np.float32(0.0)
-        for i in range(starts[j], starts[j + 1]):
-            for r in range(g):
-                acc += weight[i, r] / z[r]
+        for r in range(g):
+            acc += per_page[j, r] / z[r]
         mass[j] = acc
     order = topk_indices(mass, min(max_pages, n))
     return pages[order]
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def peak_pages(pages, starts, scratch_scores, norms, scale, max_pages):
+    """The group's pages (runs of :func:`page_runs`) ranked by an attention mass estimated from
+    each page's best scanned member alone, at most ``max_pages``.
+
+    Per query, a softmax (scores x ``scale``) over the pages' best scores; a page's estimate is
+    the sum of its weights over the group's queries. Like :func:`mass_pages`, the queries count
+    alike whatever their scores' scale (each query's weights sum to one), at one exponential per
+    page and query instead of one per scanned row.
+    """
+    n = pages.shape[0]
+    g = scratch_scores.shape[1]
+    best = np.empty((n, g), np.float32)
+    top = np.full(g, -np.inf, np.float32)
+    for j in range(n):
+        for r in range(g):
+            best[j, r] = -np.inf
+        for i in range(starts[j], starts[j + 1]):
+            for r in range(g):
+                best[j, r] = max(best[j, r], scratch_scores[i, r])
+        for r in range(g):
+            best[j, r] *= norms[r] * scale
+            top[r] = max(top[r], best[j, r])
+    z = np.zeros(g, np.float32)
+    for j in range(n):
+        for r in range(g):
+            best[j, r] = np.exp(best[j, r] - top[r])
+            z[r] += best[j, r]
+    mass = np.zeros(n, np.float32)
+    for j in range(n):
+        acc = np.float32(0.0)
+        for r in range(g):
+            acc += best[j, r] / z[r]
+        mass[j] = acc
+    order = topk_indices(mass, min(max_pages, n))
+    return pages[order]
+
+
+MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: their index here
+
+
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
                         members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
-                        scratch_scores, by_mass=False, scale=1.0):
+                        scratch_scores, merge=0, scale=1.0):
     """``select_group`` with the shared walk of ``search_group_shared``.
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
     query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
     its top-``k`` points: the same pages, without sorting ``k`` points per query; the lists are
-    merged rank by rank. ``by_mass``: the group's pages by estimated attention mass instead
-    (:func:`mass_pages`, softmax scale ``scale``). Returns (pages, False) when the scratch was
-    too short.
+    merged rank by rank (``merge`` 0, see :data:`MERGES`). ``merge`` 1: the group's pages by
+    estimated attention mass instead (:func:`mass_pages`, softmax scale ``scale``); 2: by the
+    mass estimated from each page's best member (:func:`peak_pages`). Returns (pages, False)
+    when the scratch was too short.
     """
     g = queries.shape[0]
     if k < max_pages * PX.shape[1]:
@@ -218,8 +270,10 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
     if kept < 0:
         return np.empty(0, np.int32), False
     runs, starts = page_runs(scratch_pages, kept)
-    if by_mass:
+    if merge == 1:
         return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
+    if merge == 2:
+        return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
     lists = np.empty((g, max_pages), np.int32)
     lens = np.zeros(g, np.int64)
     for r in range(g):
@@ -232,7 +286,7 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
 @njit(parallel=True, cache=True)
 def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
                         members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
-                        lens, ok, by_mass=False, scale=1.0):
+                        lens, ok, merge=0, scale=1.0):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
     (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
     head's scratch come as tuples indexed by head. Writes head h's pages to
@@ -242,7 +296,7 @@ def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pag
         pages, good = select_group_shared(
             queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
             members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
-            sscs[h], by_mass, scale)
+            sscs[h], merge, scale)
         ok[h] = good
         lens[h] = pages.shape[0]
         for i in range(pages.shape[0]):
