@@ -22,11 +22,11 @@ from pathlib import Path
 
 # (share of the document before the fact, the sentence, the question, the words the answer needs)
 FACTS = [
-    (0.03, "The harbor master of Kessel Bay is Ingrid Solberg, appointed in the spring.",
-     "Who is the harbor master of Kessel Bay?", "Ingrid Solberg"),
-    (0.50, "The lighthouse on Gull Point was painted bright orange by the volunteers.",
-     "What color was the lighthouse on Gull Point painted?", "orange"),
-    (0.97, "The ferry to Varno Island is called the Silver Heron.",
+    (0.03, "Important note: the secret code of the harbor office is 48213.",
+     "What is the secret code of the harbor office?", "48213"),
+    (0.50, "Important note: the lighthouse keeper's cat is named Pepper.",
+     "What is the name of the lighthouse keeper's cat?", "Pepper"),
+    (0.97, "Important note: the ferry to Varno Island is called the Silver Heron.",
      "What is the ferry to Varno Island called?", "Silver Heron"),
 ]
 
