@@ -82,6 +82,7 @@ def main() -> None:
         "prompt_tokens": qa_stats.get("prompt_tokens"), "prefill": qa_stats.get("prefill"),
         "positions": qa_stats.get("positions"), "method": qa_stats.get("method"), "facts": facts, "found": sum(f["found"] for f in facts),
         "qa_seconds": round(qa_s, 1), "summarize_seconds": round(sum_s, 1),
+        "qa_prefill_s": qa_stats.get("prefill_s"), "summarize_prefill_s": sum_stats.get("prefill_s"),
         "summarize_cached_tokens": sum_stats.get("prefix_cached_tokens", 0),
         "peak_rss_bytes": max(qa_stats.get("peak_rss_bytes", 0), sum_stats.get("peak_rss_bytes", 0)),
         "summary": sum_out["output"].strip(),
