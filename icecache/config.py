@@ -84,6 +84,9 @@ class Settings:
     # Positions past the trained context: "remap" gives every attended token a distance the model
     # was trained on, "true" keeps true distances, "auto" remaps when a run outgrows the context.
     positions: str = "auto"
+    # remapped pages: rows next to each other in token order keep their true distance up to
+    # remap_gap tokens (1: packed one position apart; the span stays within half the context)
+    remap_gap: int = 1
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
@@ -179,6 +182,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:
         raise bad("dense_window", "must be > 0")
+    if not 1 <= s.remap_gap <= 4096:
+        raise bad("remap_gap", "must be between 1 and 4096")
     if s.positions not in POSITIONS:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     from .rope import SCALINGS

@@ -42,6 +42,7 @@ LENGTHS = "lengths.json"
 # The settings a full prefill's keys and values depend on (the method does not: every method's
 # full prefill is the same computation).
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
+SHAPING_IF_SET = {"remap_gap": 1}  # settings that join the identity when not at these defaults
 
 Warn = Callable[[str], None]
 
@@ -90,7 +91,8 @@ class DocCache:
         self.max_bytes = max_bytes
         self.warn = warn or (lambda _m: None)
         self.identity = {"format": FORMAT, **model_identity(model),
-                         **{k: getattr(settings, k) for k in SHAPING}}
+                         **{k: getattr(settings, k) for k in SHAPING},
+                         **{k: getattr(settings, k) for k, v in SHAPING_IF_SET.items() if getattr(settings, k) != v}}
         self._ident_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
     def with_kind(self, kind: dict) -> DocCache:

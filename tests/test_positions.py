@@ -188,11 +188,12 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
 
 
-@pytest.mark.parametrize("sparse", [False, True])
-def test_remap_with_room_for_every_page_equals_full(sparse):
+@pytest.mark.parametrize("sparse,gap", [(False, 1), (True, 1), (True, 6)])
+def test_remap_with_room_for_every_page_equals_full(sparse, gap):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
-    attention, through a (sparse) prefill and window evictions."""
+    attention, through a (sparse) prefill and window evictions (whatever ``remap_gap``: no row
+    is then more than one token from the next)."""
     import numpy as np
 
     from icecache.config import Settings
@@ -203,7 +204,8 @@ def test_remap_with_room_for_every_page_equals_full(sparse):
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
     s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
-                 prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000)
+                 prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000,
+                 remap_gap=gap)
     out = {}
     for method, positions in (("full", "true"), ("ice", "remap")):
         prefill = "full" if method == "full" else s.prefill
@@ -286,8 +288,8 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
         held.finish_prefill()
 
 
-@pytest.mark.parametrize("rope", ["default", "llama3"])
-def test_placed_keys_decode_equals_the_region_reference(rope):
+@pytest.mark.parametrize("rope,gap", [("default", 1), ("llama3", 1), ("default", 40), ("llama3", 7)])
+def test_placed_keys_decode_equals_the_region_reference(rope, gap):
     """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
     the fused attention with the query at its true position) equals the reference that rotates
     the query per region (remap_decode), with token-order offsets per head."""
@@ -310,14 +312,44 @@ def test_placed_keys_decode_equals_the_region_reference(rope):
     valid[:, s_cap : s_cap + P] = torch.rand(H, P) > 0.3
     valid[:, s_cap + P :] = True
     rows = torch.randperm(1000)[: H * P].reshape(H, P).numpy()  # host rows of the pool slots
-    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy())
+    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy(), gap)
     q = model_rope(model, torch.randn(H * G, 1, d), torch.tensor([pos]))[:, 0].reshape(H, G, d)
     placed = place_keys(frame, k, s, s_cap, s_cap + P, pos - D, offset, count)
     got = paged_decode_sdpa(q, placed, v, valid, 0.125)
     # reference: queries per region (sink at D + count + s - 1 - j, pool rows at D + offset)
-    cos, sin = frame.down_table(0, P)  # rotations from 0 to 0, -1, ..., -(P-1)
+    cos, sin = frame.down_table(0, int(offset.max()) + 1)  # rotations from 0 to 0, -1, -2, ...
     pool_k = frame.rotate_by(k[:, s_cap : s_cap + P], cos[offset], sin[offset])
     qs = Remap(frame, D).query_regions(q, pos, D + count + s - 1, D)
     want = remap_decode(qs, k, v, valid, s_cap, s_cap + P, 0.125, pool_k)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
     assert torch.equal(placed[:, s_cap + P :], k[:, s_cap + P :])  # the window untouched
+
+
+def test_ordered_offsets_keep_short_gaps_and_cap_long_ones():
+    """Rows in token order: 1 packs them one position apart; a gap g keeps distances up to g
+    and caps longer ones at g; invalid rows lie past the valid rows' span; the span bounds the
+    sink's place. Against a plain loop."""
+    import numpy as np
+
+    from icecache.cache.positions import ordered_offsets
+
+    rng = np.random.default_rng(3)
+    for gap in (1, 2, 8, 100):
+        for _ in range(50):
+            H, n = int(rng.integers(1, 4)), int(rng.integers(1, 30))
+            rows = np.stack([rng.permutation(400)[:n] for _ in range(H)])
+            valid = rng.random((H, n)) < 0.7
+            offset, span = ordered_offsets(rows, valid, gap)
+            for h in range(H):
+                live = sorted((rows[h, i], i) for i in range(n) if valid[h, i])
+                want, at = {}, 0
+                for j in range(len(live) - 1, -1, -1):
+                    want[live[j][1]] = at
+                    if j:
+                        at += min(live[j][0] - live[j - 1][0], gap)
+                assert {i: int(offset[h, i]) for i in want} == want
+                assert int(span[h]) == (max(want.values()) + 1 if want else 0)
+                assert all(int(offset[h, i]) >= int(span[h]) for i in range(n) if not valid[h, i])
+    rows, valid = np.array([[10, 3, 4, 50, 11]]), np.ones((1, 5), bool)
+    assert ordered_offsets(rows, valid, 1)[0].tolist() == [[2, 4, 3, 0, 1]]
+    assert ordered_offsets(rows, valid, 8)[0].tolist() == [[9, 16, 15, 0, 8]]

@@ -336,7 +336,8 @@ class IceLayer(CacheLayerMixin):
         r = self.resident
         pool = slice(r.pool_at, r.window_at)
         if self.remap.pages == "ordered":
-            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool])
+            gap = self.remap.gap_for(r.window_at - r.pool_at)
+            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool], gap)
         else:  # one position for all the pages
             offset = torch.zeros(self.heads, r.window_at - r.pool_at, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)

@@ -145,6 +145,14 @@ class Remap:
     # "ordered": the loaded rows of a head in token order from page_distance on (one position
     # each, the nearest first); "one": all at page_distance (InfLLM's single distance)
     pages: str = "ordered"
+    # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
+    # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
+    gap: int = 1
+
+    def gap_for(self, rows: int) -> int:
+        """The gap for ``rows`` pool rows of a head: ``gap``, or less so that their span stays
+        within half the trained context."""
+        return max(1, min(self.gap, self.frame.trained // 2 // max(1, rows)))
 
     def query_regions(self, q: torch.Tensor, pos: int, sink_distance, distance: int) -> torch.Tensor:
         """A decode step's query heads ``q`` (heads, G, d) at true position ``pos`` -> (3, heads,
@@ -171,10 +179,14 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     ``offset``, a head's sink rows by row ``count + sink_fill - 1`` (from token ``j`` to
     ``pages_at - count - sink_fill + 1 + j``)."""
     H, _, d = k.shape
-    cos_t, sin_t = frame.down_table(int(pages_at), window_at + 1, str(k.device))
     idx = torch.empty(H, window_at, dtype=torch.int64)
     idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
     idx[:, pool_at:] = offset
+    # one table for the layers of a step: rows for every slot, more (in whole 1024s) for the
+    # positions that gaps between rows take
+    rows = max(window_at + 1, int(idx.max()) + 1 if idx.numel() else 0)
+    rows = window_at + 1 if rows == window_at + 1 else -(-rows // 1024) * 1024
+    cos_t, sin_t = frame.down_table(int(pages_at), rows, str(k.device))
     flat = idx.view(-1).to(k.device)
     r = cos_t.shape[1]
     cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
@@ -182,18 +194,32 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     return torch.cat([moved, k[:, window_at:]], dim=1)
 
 
-def ordered_offsets(rows, valid) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots, ``valid``
-    (H, n) bool (NumPy). Returns (offset (H, n): how many valid rows of the head come after the
-    row in token order, so the latest is 0; valid rows per head (H,))."""
+def ordered_offsets(rows, valid, gap: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots (the store
+    appends in token order, so rows order tokens), ``valid`` (H, n) bool (NumPy). Returns
+    (offset (H, n): the row's distance before the head's latest valid row, which is at 0;
+    positions the head's valid rows span (H,)).
+
+    ``gap`` caps the distance between two rows next to each other in token order: 1 packs the
+    rows one position apart whatever lies between them; ``g`` keeps rows up to ``g`` tokens
+    apart at their true distance and puts farther ones ``g`` apart (the span is at most ``g``
+    per row). Invalid rows get offsets past the span (they are masked)."""
     import numpy as np
 
     key = np.where(valid, rows, -1)
     order = np.argsort(key, axis=1, kind="stable")
-    rank = np.empty_like(order)
-    np.put_along_axis(rank, order, np.arange(key.shape[1])[None, :].repeat(key.shape[0], 0), axis=1)
-    offset = key.shape[1] - 1 - rank
-    return torch.from_numpy(offset), torch.from_numpy(valid.sum(1))
+    H, n = key.shape
+    srt = np.take_along_axis(key, order, axis=1)  # invalid (-1) first, then rows ascending
+    step = np.minimum(np.diff(srt, axis=1), gap)  # distance to the next row in token order
+    step[srt[:, :-1] < 0] = 1  # from an invalid row: one position (they lie past the span)
+    after = np.zeros((H, n), np.int64)  # distance of each sorted row before the last one
+    if n > 1:
+        after[:, :-1] = np.cumsum(step[:, ::-1], axis=1)[:, ::-1]
+    offset = np.empty_like(after)
+    np.put_along_axis(offset, order, after, axis=1)
+    count = valid.sum(1)
+    first = np.where(count > 0, after[np.arange(H), n - np.maximum(count, 1)], -1)
+    return torch.from_numpy(offset), torch.from_numpy(first + 1)
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
