@@ -45,6 +45,10 @@ def test_fidelity_of_full_to_itself_and_of_a_tiny_budget(loaded, cpu_settings):
     tiny = cpu_settings.replace(budget=16, sink_pages=1, window_pages=1)
     worse = fidelity.measure(loaded, tiny, "streaming", ref)
     assert worse.total == 12 and worse.mean_kl > same.mean_kl
+    # a run with positions remapped (for the paged methods it measures) still has full's
+    # reference, at true positions: the same tokens
+    remapped = fidelity.reference(loaded, cpu_settings.replace(positions="remap"), ids, 12, force_past_end=True)
+    assert remapped.tokens == ref.tokens
 
 
 def test_cells_and_resume(tmp_path):

@@ -50,7 +50,12 @@ def _forced(session: Session, prompt: list[int], tokens: list[int]) -> list[torc
 
 def reference(loaded, settings, prompt: list[int], max_new_tokens: int,
               force_past_end: bool = False) -> Reference:
-    """``full``'s greedy continuation; past the end of text too when ``force_past_end``."""
+    """``full``'s greedy continuation; past the end of text too when ``force_past_end``.
+
+    ``full`` keeps true positions: a run's ``positions: remap`` (for the methods it measures)
+    does not apply to the reference."""
+    if settings.positions == "remap":
+        settings = settings.replace(positions="true")
     session = Session(loaded, settings, "full")
     if force_past_end:
         stop, session.stop_ids = session.stop_ids, set()
