@@ -399,6 +399,16 @@ def test_similar_pages_hold_closer_keys_and_search_stays_exact():
         assert set(ids[r].tolist()) == set(exact_topk(keys, q, 24).tolist())
 
 
+def _two_head_trees(keys, merge: str) -> list:
+    """Two KV heads' trees (the second's keys shifted by 0.01) with a beam over every node."""
+    trees = []
+    for h in range(2):
+        t = DCITree(16, IndexConfig(page_size=8, beam=10_000, merge=merge))
+        t.insert(keys + 0.01 * h)
+        trees.append(t)
+    return trees
+
+
 def test_mass_merge_with_full_beam_equals_the_softmax_page_mass_reference():
     """With a beam over every node the walk scans every key, so the mass merge must pick the
     pages of largest summed softmax mass over the group's queries, computed here in NumPy;
@@ -407,12 +417,7 @@ def test_mass_merge_with_full_beam_equals_the_softmax_page_mass_reference():
 
     keys = clustered(2500, d=16, clusters=30, seed=12)
     queries = 3.0 * clustered(3, d=16, clusters=30, seed=13)
-    cfg = IndexConfig(page_size=8, beam=10_000, merge="mass")
-    trees = []
-    for h in range(2):
-        t = DCITree(16, cfg)
-        t.insert(keys + 0.01 * h)
-        trees.append(t)
+    trees = _two_head_trees(keys, "mass")
     for pages in (1, 5, 12):
         for h, t in enumerate(trees):
             s = (queries @ (keys + 0.01 * h).T) / 4.0  # scale 1 / sqrt(16)
@@ -443,12 +448,7 @@ def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
     assert config.MERGES == MERGES
     keys = clustered(2500, d=16, clusters=30, seed=14)
     queries = clustered(3, d=16, clusters=30, seed=15)  # flat enough that peaks and mass differ
-    cfg = IndexConfig(page_size=8, beam=10_000, merge="peaks")
-    trees = []
-    for h in range(2):
-        t = DCITree(16, cfg)
-        t.insert(keys + 0.01 * h)
-        trees.append(t)
+    trees = _two_head_trees(keys, "peaks")
     for pages in (1, 5, 12):
         for h, t in enumerate(trees):
             s = (queries @ (keys + 0.01 * h).T) / 4.0  # scale 1 / sqrt(16)
@@ -465,6 +465,5 @@ def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
         both = select_layer(trees, np.stack([queries, queries]).astype(np.float32), pages * 8, pages)
         assert [b.tolist() for b in both] == [t.select_group(queries, pages * 8, pages).tolist() for t in trees]
     # the mass merge of the same keys picks other pages here (it is the other rule)
-    mass = DCITree(16, IndexConfig(page_size=8, beam=10_000, merge="mass"))
-    mass.insert(keys)
+    mass = _two_head_trees(keys, "mass")[0]
     assert set(mass.select_group(queries, 96, 12).tolist()) != set(trees[0].select_group(queries, 96, 12).tolist())

@@ -184,8 +184,8 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     idx[:, pool_at:] = offset
     # one table for the layers of a step: rows for every slot, more (in whole 1024s) for the
     # positions that gaps between rows take
-    rows = max(window_at + 1, int(idx.max()) + 1 if idx.numel() else 0)
-    rows = window_at + 1 if rows == window_at + 1 else -(-rows // 1024) * 1024
+    need = int(idx.max()) + 1 if idx.numel() else 0
+    rows = window_at + 1 if need <= window_at + 1 else -(-need // 1024) * 1024
     cos_t, sin_t = frame.down_table(int(pages_at), rows, str(k.device))
     flat = idx.view(-1).to(k.device)
     r = cos_t.shape[1]
