@@ -87,6 +87,9 @@ class Settings:
     # remapped pages: rows next to each other in token order keep their true distance up to
     # remap_gap tokens (1: packed one position apart; the span stays within half the context)
     remap_gap: int = 1
+    # remapped pages: loaded rows at most remap_keep tokens beyond the window keep their true
+    # distance (0: none), as long as the rows farther back still fit in the trained context
+    remap_keep: int = 0
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
@@ -184,6 +187,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("dense_window", "must be > 0")
     if not 1 <= s.remap_gap <= 4096:
         raise bad("remap_gap", "must be between 1 and 4096")
+    if not 0 <= s.remap_keep <= 1_048_576:
+        raise bad("remap_keep", "must be between 0 and 1048576")
     if s.positions not in POSITIONS:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     from .rope import SCALINGS

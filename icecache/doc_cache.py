@@ -42,7 +42,7 @@ LENGTHS = "lengths.json"
 # The settings a full prefill's keys and values depend on (the method does not: every method's
 # full prefill is the same computation).
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
-SHAPING_IF_SET = {"remap_gap": 1}  # settings that join the identity when not at these defaults
+SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0}  # settings that join the identity when not at these defaults
 
 Warn = Callable[[str], None]
 

@@ -188,12 +188,13 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
 
 
-@pytest.mark.parametrize("sparse,gap", [(False, 1), (True, 1), (True, 6)])
-def test_remap_with_room_for_every_page_equals_full(sparse, gap):
+@pytest.mark.parametrize("sparse,gap,keep", [(False, 1, 0), (True, 1, 0), (True, 6, 0), (True, 1, 150),
+                                             (False, 1, 100_000)])
+def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
     attention, through a (sparse) prefill and window evictions (whatever ``remap_gap``: no row
-    is then more than one token from the next)."""
+    is then more than one token from the next, and whatever ``remap_keep``)."""
     import numpy as np
 
     from icecache.config import Settings
@@ -205,7 +206,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap):
     s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
                  prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000,
-                 remap_gap=gap)
+                 remap_gap=gap, remap_keep=keep)
     out = {}
     for method, positions in (("full", "true"), ("ice", "remap")):
         prefill = "full" if method == "full" else s.prefill
@@ -288,8 +289,9 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
         held.finish_prefill()
 
 
-@pytest.mark.parametrize("rope,gap", [("default", 1), ("llama3", 1), ("default", 40), ("llama3", 7)])
-def test_placed_keys_decode_equals_the_region_reference(rope, gap):
+@pytest.mark.parametrize("rope,gap,keep", [("default", 1, -1), ("llama3", 1, -1), ("default", 40, -1),
+                                           ("llama3", 7, -1), ("default", 1, 500), ("llama3", 3, 2000)])
+def test_placed_keys_decode_equals_the_region_reference(rope, gap, keep):
     """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
     the fused attention with the query at its true position) equals the reference that rotates
     the query per region (remap_decode), with token-order offsets per head."""
@@ -312,7 +314,7 @@ def test_placed_keys_decode_equals_the_region_reference(rope, gap):
     valid[:, s_cap : s_cap + P] = torch.rand(H, P) > 0.3
     valid[:, s_cap + P :] = True
     rows = torch.randperm(1000)[: H * P].reshape(H, P).numpy()  # host rows of the pool slots
-    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy(), gap)
+    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy(), gap, 999, keep)
     q = model_rope(model, torch.randn(H * G, 1, d), torch.tensor([pos]))[:, 0].reshape(H, G, d)
     placed = place_keys(frame, k, s, s_cap, s_cap + P, pos - D, offset, count)
     got = paged_decode_sdpa(q, placed, v, valid, 0.125)
@@ -353,3 +355,80 @@ def test_ordered_offsets_keep_short_gaps_and_cap_long_ones():
     rows, valid = np.array([[10, 3, 4, 50, 11]]), np.ones((1, 5), bool)
     assert ordered_offsets(rows, valid, 1)[0].tolist() == [[2, 4, 3, 0, 1]]
     assert ordered_offsets(rows, valid, 8)[0].tolist() == [[9, 16, 15, 0, 8]]
+
+
+def test_ordered_offsets_keep_the_near_rows_true():
+    """With ``keep``: rows at most ``keep`` before row ``top`` sit at their true offset
+    ``top - row``, the farther ones follow the farthest kept row as ``gap`` says (the nearest row
+    at 0 when none is kept); a keep reaching row 0 puts the span (the sink's place) at ``top + 1``,
+    the sink's true place. Against a plain loop."""
+    import numpy as np
+
+    from icecache.cache.positions import ordered_offsets
+
+    rng = np.random.default_rng(4)
+    for gap in (1, 3, 50):
+        for keep in (-1, 0, 5, 40, 399, 500):
+            for _ in range(30):
+                H, n, top = int(rng.integers(1, 4)), int(rng.integers(1, 30)), 399
+                rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
+                valid = rng.random((H, n)) < 0.7
+                offset, span = ordered_offsets(rows, valid, gap, top, keep)
+                for h in range(H):
+                    live = sorted(((rows[h, i], i) for i in range(n) if valid[h, i]), reverse=True)
+                    want, at, prev = {}, None, None
+                    for row, i in live:  # nearest first
+                        if top - row <= keep:
+                            at = top - row
+                        elif at is None:
+                            at = 0
+                        else:
+                            at += min(prev - row, gap)
+                        want[i], prev = at, row
+                    assert {i: int(offset[h, i]) for i in want} == want, (gap, keep)
+                    if keep >= top:
+                        assert int(span[h]) == top + 1
+                    else:
+                        assert int(span[h]) == (max(want.values()) + 1 if want else 0)
+    rows, valid = np.array([[10, 3, 4, 50, 11]]), np.ones((1, 5), bool)
+    # top 60, keep 50: rows 50, 11, 10 at their true offsets 10, 49, 50; rows 4 and 3 after them
+    assert ordered_offsets(rows, valid, 1, 60, 50)[0].tolist() == [[50, 52, 51, 10, 49]]
+    assert ordered_offsets(rows, valid, 1, 60, 0)[0].tolist() == ordered_offsets(rows, valid, 1)[0].tolist()
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_placed_keys_keep_near_rows_at_their_true_positions(rope):
+    """Pool rows (stored un-rotated) within ``keep`` of the window land exactly where the model
+    puts them (RoPE at their true positions); a keep covering the whole store also leaves the
+    sink where it is: the placed keys are then the keys of true positions."""
+    from icecache.cache.positions import ordered_offsets, place_keys
+
+    model = llama(ROPES[rope])
+    frame = RopeFrame.from_model(model)
+    torch.manual_seed(8)
+    H, d, s_cap, s, P, W, D = 2, 32, 5, 4, 12, 6, 9
+    pos = 900  # the query's position; the pool rows end D before it
+    pages_at = pos - D
+    top = pages_at - s  # the host row of the token at pages_at
+    L = s_cap + P + W
+    raw = torch.randn(H, L, d)
+    k = torch.cat([model_rope(model, raw[:, :s_cap], torch.arange(s_cap)), raw[:, s_cap : s_cap + P],
+                   model_rope(model, raw[:, s_cap + P :], torch.arange(pos - W + 1, pos + 1))], dim=1)
+    valid = torch.rand(H, P) > 0.2
+    rows = torch.stack([torch.randperm(top + 1)[:P] for _ in range(H)]).numpy()
+    for keep in (300, 10_000):
+        offset, count = ordered_offsets(rows, valid.numpy(), 1, top, keep)
+        placed = place_keys(frame, k, s, s_cap, s_cap + P, pages_at, offset, count)
+        checked = 0
+        for h in range(H):
+            for i in range(P):
+                if valid[h, i] and top - rows[h, i] <= keep:
+                    want = model_rope(model, raw[h : h + 1, s_cap + i : s_cap + i + 1],
+                                      torch.tensor([s + int(rows[h, i])]))[0, 0]
+                    torch.testing.assert_close(placed[h, s_cap + i], want, atol=2e-5, rtol=1e-4)
+                    checked += 1
+        assert checked > (5 if keep == 300 else H * P // 2)
+        if keep >= top:
+            torch.testing.assert_close(placed[:, :s], k[:, :s], atol=2e-5, rtol=1e-4)
+        else:  # the sink is placed just beyond the farthest row, not at its own positions
+            assert not torch.allclose(placed[:, :s], k[:, :s], atol=1e-3)

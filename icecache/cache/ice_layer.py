@@ -336,8 +336,12 @@ class IceLayer(CacheLayerMixin):
         r = self.resident
         pool = slice(r.pool_at, r.window_at)
         if self.remap.pages == "ordered":
-            gap = self.remap.gap_for(r.window_at - r.pool_at)
-            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool], gap)
+            rows = r.window_at - r.pool_at
+            gap = self.remap.gap_for(rows)
+            # rows near the window keep their true distance if the rest still fits in the context
+            keep = self.remap.keep_for(rows * gap + r.sink_fill + self.length - 1 - pages_at)
+            top = pages_at - r.sink_fill  # the host row of the token at pages_at
+            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool], gap, top, keep)
         else:  # one position for all the pages
             offset = torch.zeros(self.heads, r.window_at - r.pool_at, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)

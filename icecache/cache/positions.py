@@ -148,6 +148,14 @@ class Remap:
     # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
     # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
     gap: int = 1
+    # "ordered": pool rows at most ``keep`` tokens beyond the window keep their true distance
+    # (0: none); the rows farther back follow them as above (:func:`ordered_offsets`)
+    keep: int = 0
+
+    def keep_for(self, beyond: int) -> int:
+        """``keep``, or less so that the kept rows plus ``beyond`` more positions (the packed
+        rows' span, the sink, the window) stay inside the trained context."""
+        return min(self.keep, self.frame.trained - beyond)
 
     def gap_for(self, rows: int) -> int:
         """The gap for ``rows`` pool rows of a head: ``gap``, or less so that their span stays
@@ -194,7 +202,8 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     return torch.cat([moved, k[:, window_at:]], dim=1)
 
 
-def ordered_offsets(rows, valid, gap: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots (the store
     appends in token order, so rows order tokens), ``valid`` (H, n) bool (NumPy). Returns
     (offset (H, n): the row's distance before the head's latest valid row, which is at 0;
@@ -203,23 +212,35 @@ def ordered_offsets(rows, valid, gap: int = 1) -> tuple[torch.Tensor, torch.Tens
     ``gap`` caps the distance between two rows next to each other in token order: 1 packs the
     rows one position apart whatever lies between them; ``g`` keeps rows up to ``g`` tokens
     apart at their true distance and puts farther ones ``g`` apart (the span is at most ``g``
-    per row). Invalid rows get offsets past the span (they are masked)."""
+    per row). Invalid rows get offsets past the span (they are masked).
+
+    ``keep``: rows at most ``keep`` rows before host row ``top`` (the row whose offset 0 is its
+    true place) keep their true offset ``top - row``, and the rows beyond them follow as above
+    (-1: none kept, the nearest row at 0). If ``keep`` reaches past row 0 (the whole store
+    is kept), the span is ``top + 1``: the sink, placed just beyond it, is at its true positions
+    too."""
     import numpy as np
 
     key = np.where(valid, rows, -1)
     order = np.argsort(key, axis=1, kind="stable")
     H, n = key.shape
     srt = np.take_along_axis(key, order, axis=1)  # invalid (-1) first, then rows ascending
-    step = np.minimum(np.diff(srt, axis=1), gap)  # distance to the next row in token order
+    kept = (srt >= 0) & (srt <= top) & (top - srt <= keep)  # at their true offset
+    diff = np.diff(srt, axis=1)
+    step = np.where(kept[:, :-1], diff, np.minimum(diff, gap))  # distance to the next row in token order
     step[srt[:, :-1] < 0] = 1  # from an invalid row: one position (they lie past the span)
     after = np.zeros((H, n), np.int64)  # distance of each sorted row before the last one
     if n > 1:
         after[:, :-1] = np.cumsum(step[:, ::-1], axis=1)[:, ::-1]
+    after += np.where(kept[:, -1:], top - srt[:, -1:], 0)  # the nearest row: true offset if kept
     offset = np.empty_like(after)
     np.put_along_axis(offset, order, after, axis=1)
     count = valid.sum(1)
     first = np.where(count > 0, after[np.arange(H), n - np.maximum(count, 1)], -1)
-    return torch.from_numpy(offset), torch.from_numpy(first + 1)
+    span = first + 1
+    if keep >= top >= 0:  # every row kept: the sink just beyond them is at its true place
+        span[:] = top + 1
+    return torch.from_numpy(offset), torch.from_numpy(span)
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
