@@ -42,7 +42,9 @@ LENGTHS = "lengths.json"
 # The settings a full prefill's keys and values depend on (the method does not: every method's
 # full prefill is the same computation).
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
-SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0}  # settings that join the identity when not at these defaults
+# Settings added since the format began: they join an identity (dense or sparse) only when not
+# at these defaults, so a version that adds one still finds the entries saved before it.
+SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0}
 
 Warn = Callable[[str], None]
 

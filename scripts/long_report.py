@@ -79,7 +79,8 @@ def main() -> None:
     facts = [{"share": s, "question": q, "expected": e, "answer": ans.strip(), "found": found(ans, e)}
              for (s, _f, q, e), ans in zip(FACTS, qa_out["output"], strict=True)]
     print(json.dumps({
-        "prompt_tokens": qa_stats.get("prompt_tokens"), "prefill": qa_stats.get("prefill"),
+        # qa's stats add up its questions' prompts: one question's prompt is about a third
+        "prompt_tokens_per_question": (qa_stats.get("prompt_tokens") or 0) // len(FACTS), "prefill": qa_stats.get("prefill"),
         "positions": qa_stats.get("positions"), "method": qa_stats.get("method"), "facts": facts, "found": sum(f["found"] for f in facts),
         "qa_seconds": round(qa_s, 1), "summarize_seconds": round(sum_s, 1),
         "qa_prefill_s": qa_stats.get("prefill_s"), "summarize_prefill_s": sum_stats.get("prefill_s"),

@@ -328,3 +328,18 @@ def test_killed_saver_leaves_nothing_a_later_run_trips_on(loaded, tmp_path):
     again, stats = run(loaded, "ice", root)
     assert stats.prefix_cached_tokens == PREFIX and again == first
     assert list(root.glob(".saving-*")) == []  # ... is gone after the next save
+
+
+def test_settings_added_later_join_the_identity_only_when_set(loaded, tmp_path):
+    """An entry saved before a setting existed is found by a version that adds it at its
+    default (the setting is left out of the identity then); set otherwise, it is its own entry."""
+    from icecache.doc_cache import SHAPING_IF_SET
+
+    run_sparse(loaded, "ice", tmp_path, {"positions": "remap"}, 40)
+    (entry,) = [p for p in tmp_path.iterdir() if (p / MANIFEST).is_file()]
+    saved = json.dumps(json.loads((entry / MANIFEST).read_text())["identity"])
+    assert all(f'"{k}"' not in saved for k in SHAPING_IF_SET)
+    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "remap_keep": 64}, 40)
+    assert stats.prefix_cached_tokens == 0 and len(list_entries(tmp_path)) == 2
+    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "remap_keep": 0}, 40)
+    assert stats.prefix_cached_tokens == PREFIX
