@@ -17,13 +17,13 @@ from .output import Reporter, emit, stderr, user_errors
 
 
 def evaluate(
-    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, vt, fwe, gsm8k, longbench, fidelity.")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, niah_prose, vt, fwe, gsm8k, longbench, fidelity.")] = "passkey",
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference).")] = "full,ice",
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
     n: Annotated[int, typer.Option("--n", min=1, help="Cases (passkey: depths; fidelity: documents) per cell.")] = 10,
     seed: Annotated[int, typer.Option("--seed", help="Seed of the generated cases.")] = 0,
-    depths: Annotated[str, typer.Option("--depths", help="passkey, niah_single: needle depths in percent, a list (0,50,100) or a range FROM:TO:STEP; spread over the --n cases of a cell.")] = "0:95:5",
+    depths: Annotated[str, typer.Option("--depths", help="passkey, niah_single, niah_prose: needle depths in percent, a list (0,50,100) or a range FROM:TO:STEP; spread over the --n cases of a cell.")] = "0:95:5",
     plot: Annotated[Path | None, typer.Option("--plot", help="Also draw the length x depth picture of the needle tasks as a PNG (needs the plot extra: matplotlib).", show_default=False)] = None,
     new_tokens: Annotated[int, typer.Option("--new-tokens", min=1, help="fidelity: tokens full generates per document.")] = 160,
     data: Annotated[str | None, typer.Option("--data", help="gsm8k: JSONL of GSM8K problems (question, answer with '#### N'); longbench: JSONL of context, question, answers.", show_default=False)] = None,

@@ -68,7 +68,7 @@ def write_plot(grids: list[Grid], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     if not grids:
-        raise UsageError("--plot: no finished cell of a needle task (passkey, niah_single) to draw")
+        raise UsageError("--plot: no finished cell of a needle task (passkey, niah_single, niah_prose) to draw")
     cols = min(3, len(grids))
     rows = (len(grids) + cols - 1) // cols
     fig, axes = plt.subplots(rows, cols, figsize=(3.2 * cols + 1, 3.4 * rows), squeeze=False)

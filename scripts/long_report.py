@@ -2,7 +2,7 @@
 qa` asks for each, then `icecache summarize` runs over the same document, all through one
 document cache (the first command prefills and saves the document, the others load it).
 
-    python scripts/long_report.py --tokens 100000 [--keep DIR] [-- more CLI flags]
+    python scripts/long_report.py --tokens 100000 [--keep DIR] [--qa-only] [-- more CLI flags]
 
 Prints one JSON object: the prompt length, the prefill mode and positions the run chose, each
 fact's question, expected answer, the answer given and whether it contains the expected words,
@@ -65,6 +65,7 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=100_000)
     ap.add_argument("--seed", type=int, default=5)
     ap.add_argument("--keep", type=Path, default=None, help="folder for the document and the cache (kept)")
+    ap.add_argument("--qa-only", action="store_true", help="skip the summary")
     ap.add_argument("extra", nargs="*", help="more CLI flags for every command, after --")
     a = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
@@ -75,7 +76,10 @@ def main() -> None:
         common = ["--doc-cache", str(cache), *a.extra]
         questions = [x for _s, _f, q, _a in FACTS for x in ("-q", q)]
         qa_out, qa_stats, qa_s = cli(["qa", str(doc), *questions, "--max-new-tokens", "24", *common])
-        sum_out, sum_stats, sum_s = cli(["summarize", str(doc), *common])
+        if a.qa_only:
+            sum_out, sum_stats, sum_s = {"output": ""}, {}, 0.0
+        else:
+            sum_out, sum_stats, sum_s = cli(["summarize", str(doc), *common])
     facts = [{"share": s, "question": q, "expected": e, "answer": ans.strip(), "found": found(ans, e)}
              for (s, _f, q, e), ans in zip(FACTS, qa_out["output"], strict=True)]
     print(json.dumps({

@@ -195,6 +195,13 @@ def test_ruler_tasks_deterministic_and_answerable(loaded):
     counts = sorted(((words.count(w), w) for w in set(words) if w.islower() and w.isalpha()), reverse=True)
     assert {w for _, w in counts[:3]} == set(case.expected)
     assert ruler.score(f" {case.expected[0]} and more", case.expected) == 1 / 3
+    # niah_prose: the needle between two sentences of the prose, at the case's depth
+    for c in ruler.cases("niah_prose", tok, 1500, 5, seed=3):
+        body = c.prompt.rsplit("\n", 1)[0]
+        at = body.index("One of the special magic numbers")
+        assert abs(at / len(body) - c.depth) < 0.08, (c.depth, at / len(body))
+        assert at == 0 or body[at - 2 : at] in (". ", ": ") or body[at - 1] == "\n"
+        assert len(set(w for w in body.split() if w.isdigit())) > 10  # numbers all over the haystack
 
 
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k_test.jsonl"

@@ -6,6 +6,9 @@ its expected strings found in the model's output (RULER's string-match metric).
 - ``niah_single``: one 7-digit "special magic number" for a key, in a noise haystack.
 - ``niah_multikey``: the same with distractor needles for other keys.
 - ``niah_multivalue``: several numbers for one key; all are expected.
+- ``niah_prose``: ``niah_single`` in a haystack of varied prose full of other numbers
+  (:func:`icecache.textgen.generated_text`; RULER's essay haystack plays this part), the needle
+  between two sentences: harder than the repeated noise, and closer to a real report.
 - ``vt``: variable tracking: a chain ``VAR A = 12345``, ``VAR B = VAR A``, ... in noise; all
   names in the chain are expected.
 - ``fwe``: frequent-words extraction over a coded text of random words with skewed counts; the
@@ -23,7 +26,8 @@ INTRO = ("Some special magic numbers are hidden within the following text. Make 
          "them. I will quiz you about the numbers afterwards.")
 WORDS = ("apple river stone cloud lamp horse window garden silver paper candle mirror forest "
          "ladder anchor basket pepper marble violet tunnel harbor meadow copper lantern").split()
-TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe")
+TASKS = ("niah_single", "niah_multikey", "niah_multivalue", "vt", "fwe", "niah_prose")
+DEPTHS = ("niah_single", "niah_prose")  # tasks whose needle sits at a chosen depth
 
 
 @dataclass(frozen=True)
@@ -54,6 +58,25 @@ def _haystack(tokenizer, tokens: int, fixed: str, inserts: list[str], rng, depth
         if r < reps:
             parts.append(NOISE)
     return " ".join(parts)
+
+
+def _prose(tokenizer, tokens: int, fixed: str, insert: str, depth: float, seed: int) -> str:
+    """Generated prose of about ``tokens`` in all, with ``insert`` between two of its sentences
+    at ``depth`` (0 .. 1) of them."""
+    from ..textgen import generated_text
+
+    room = tokens - len(tokenizer(fixed + " " + insert)["input_ids"])
+    text = generated_text(max(20, int(room * 0.75)), seed=seed)  # about 1.33 tokens per word
+    have = len(tokenizer(text)["input_ids"])
+    if have > room:  # trim to the room left, at a sentence's end
+        text = text[: max(1, int(len(text) * room / have))]
+        text = text[: text.rfind(".") + 1] or text
+    ends = [i + 1 for i, c in enumerate(text) if c == "." and (i + 1 == len(text) or text[i + 1] == " ")]
+    if depth <= 0 or not ends:
+        at = 0 if depth <= 0 else len(text)
+    else:
+        at = ends[int(round(depth * (len(ends) - 1)))]
+    return (text[:at] + " " + insert + " " + text[at:].lstrip()).strip()
 
 
 def _key(rng) -> str:
@@ -95,6 +118,14 @@ def make(task: str, tokenizer, tokens: int, index: int, n: int, seed: int,
         body = _haystack(tokenizer, tokens, INTRO + question, inserts, rng,
                          depth if task == "niah_single" else None)
         prompt = f"{INTRO} {body}\n{question}"
+    elif task == "niah_prose":
+        key, value = _key(rng), _number(rng)
+        insert = f"One of the special magic numbers for {key} is: {value}."
+        question = (f"What is the special magic number for {key} mentioned in the provided text? "
+                    f"The special magic number for {key} mentioned in the provided text is")
+        body = _prose(tokenizer, tokens, INTRO + question, insert, depth, int(rng.integers(2**31)))
+        prompt = f"{INTRO} {body}\n{question}"
+        expected = [value]
     elif task == "vt":
         value = str(int(rng.integers(10000, 99999)))
         names = ["".join(rng.choice(list("ABCDEFGHJKLMNPQRSTUVWXYZ"), 5).tolist()) for _ in range(4)]
@@ -122,7 +153,7 @@ def make(task: str, tokenizer, tokens: int, index: int, n: int, seed: int,
     else:
         raise ValueError(f"unknown task {task}")
     return Case(prompt, tuple(expected), len(tokenizer(prompt)["input_ids"]),
-                depth if task == "niah_single" else None)
+                depth if task in DEPTHS else None)
 
 
 def cases(task: str, tokenizer, tokens: int, n: int, seed: int = 0,
@@ -130,5 +161,5 @@ def cases(task: str, tokenizer, tokens: int, n: int, seed: int = 0,
     """``n`` cases; niah_single's needles at :func:`passkey.spread` depths."""
     from .passkey import spread
 
-    at = spread(n, depths) if task == "niah_single" else [None] * n
+    at = spread(n, depths) if task in DEPTHS else [None] * n
     return [make(task, tokenizer, tokens, i, n, seed, at[i]) for i in range(n)]

@@ -21,7 +21,7 @@ from . import fidelity, passkey, ruler
 
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
 DATA_TASKS = ("gsm8k", "longbench")  # these read --data
-NEW_TOKENS = {"niah_single": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
+NEW_TOKENS = {"niah_single": 16, "niah_prose": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class Evaluator:
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
         self.out = out  # with --out: each case's score is kept as it is made (cases.jsonl)
         self._cases = load_cases(out)
-        self.depths = depths  # passkey and niah_single: needle depths (None: evenly spread)
+        self.depths = depths  # passkey, niah_single, niah_prose: needle depths (None: evenly spread)
         self.data = data
         self.new_tokens = new_tokens
         self.log = log
