@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .config import Settings
+from .memory import return_freed
 from .methods import make_cache, plan_run
 from .models import LoadedModel
 
@@ -170,8 +171,9 @@ class Session:
                 self.cache.crop(-drop)  # a negative count removes that many trailing tokens
             del self.cached_ids[keep:]
             return keep
-        self.cache = self._new_cache(len(ids))
+        self.cache = None  # the old cache's memory goes before the new one takes any
         self.cached_ids = []
+        self.cache = self._new_cache(len(ids))
         return 0
 
     def _new_cache(self, prompt_tokens: int):
@@ -308,6 +310,8 @@ class Session:
                 self._save_prefix(ids[:save_at], dc)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
+        if len(ids) - start > run.chunk_size:
+            return_freed()  # the chunks' transient buffers leave the RSS
         stats.prefill_seconds = time.perf_counter() - t0
         self._pending = (list(ids[cut:]), len(ids) - start, report, logits)
         if hold_tail:

@@ -139,3 +139,17 @@ def check_fits(method: str, model_config, settings: Settings, tokens: int) -> No
     if short:
         hint = ("; use --method ice --prefill sparse" if method != "ice" else "; use a machine with more memory")
         raise UsageError(f"--method {method} for {tokens} tokens {short} (estimated, for its KV cache){hint}")
+
+
+def return_freed() -> bool:
+    """Give the heap's freed pages back to the system (glibc's ``malloc_trim``): a prefill's
+    transient buffers (chunk attention, the index build) stay in the process's RSS after they
+    are freed otherwise. False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.malloc_trim(0))
+    except (OSError, AttributeError):
+        return False

@@ -285,3 +285,31 @@ def test_fork_refused_where_the_budget_shaped_the_prefill(cpu_settings, loaded):
     snap.prefill(ids)
     with pytest.raises(ValueError):
         snap.fork(full.replace(budget=32))
+
+
+def test_a_finished_cache_is_freed_once_the_session_lets_go():
+    """Nothing but the session holds a cache: dropped (or replaced by the next prompt's), its
+    memory goes at once (the attention functions' record of the running cache is weak; a strong
+    one kept a 100k document's host store alive beside the next run's)."""
+    import gc
+    import weakref
+    from types import SimpleNamespace
+
+    from icecache.generation import Session
+
+    from .test_pinned import SETTINGS
+    from .test_pinned import tiny_model as pinned_model
+
+    loaded = SimpleNamespace(model=pinned_model(), tokenizer=SimpleNamespace(eos_token_id=None))
+    rng = np.random.default_rng(5)
+    for prefill in ("full", "sparse"):
+        session = Session(loaded, SETTINGS.replace(prefill=prefill), "ice")
+        session.generate(rng.integers(0, 97, 300).tolist(), 4)
+        first = weakref.ref(session.cache)
+        session.generate(rng.integers(0, 97, 300).tolist(), 4)  # another prompt: a new cache
+        gc.collect()
+        assert first() is None
+        second = weakref.ref(session.cache)
+        session.cache = None
+        gc.collect()
+        assert second() is None
