@@ -28,6 +28,7 @@ DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
+REMAP_PAGES = ("ordered", "one", "scaled")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
 WEIGHT_FORMATS = ("float", "int8")  # icecache.weights
 MAX_THREADS = 256
@@ -90,6 +91,10 @@ class Settings:
     # remapped pages: loaded rows at most remap_keep tokens beyond the window keep their true
     # distance (0: none), as long as the rows farther back still fit in the trained context
     remap_keep: int = 0
+    # where remapped pages go: "ordered" (packed just beyond the window, in token order), "one"
+    # (all at one distance), "scaled" (true distances within remap_keep, farther ones divided by
+    # the smallest whole factor that fits the document in the trained context)
+    remap_pages: str = "ordered"
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
@@ -189,6 +194,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("remap_gap", "must be between 1 and 4096")
     if not 0 <= s.remap_keep <= 1_048_576:
         raise bad("remap_keep", "must be between 0 and 1048576")
+    if s.remap_pages not in REMAP_PAGES:
+        raise bad("remap_pages", f"must be one of {', '.join(REMAP_PAGES)}")
     if s.positions not in POSITIONS:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     from .rope import SCALINGS

@@ -188,9 +188,11 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
 
 
-@pytest.mark.parametrize("sparse,gap,keep", [(False, 1, 0), (True, 1, 0), (True, 6, 0), (True, 1, 150),
-                                             (False, 1, 100_000)])
-def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep):
+@pytest.mark.parametrize("sparse,gap,keep,pages", [(False, 1, 0, "ordered"), (True, 1, 0, "ordered"),
+                                                   (True, 6, 0, "ordered"), (True, 1, 150, "ordered"),
+                                                   (False, 1, 100_000, "ordered"), (True, 1, 0, "scaled"),
+                                                   (False, 1, 64, "scaled")])
+def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
     attention, through a (sparse) prefill and window evictions (whatever ``remap_gap``: no row
@@ -206,7 +208,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep):
     s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
                  prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000,
-                 remap_gap=gap, remap_keep=keep)
+                 remap_gap=gap, remap_keep=keep, remap_pages=pages)
     out = {}
     for method, positions in (("full", "true"), ("ice", "remap")):
         prefill = "full" if method == "full" else s.prefill
@@ -432,3 +434,35 @@ def test_placed_keys_keep_near_rows_at_their_true_positions(rope):
             torch.testing.assert_close(placed[:, :s], k[:, :s], atol=2e-5, rtol=1e-4)
         else:  # the sink is placed just beyond the farthest row, not at its own positions
             assert not torch.allclose(placed[:, :s], k[:, :s], atol=1e-3)
+
+
+def test_scaled_offsets_group_far_rows_into_the_room():
+    """``scaled``: rows within keep of ``top`` at their true offset, farther ones at keep +
+    (t - keep) // G with the smallest whole G that brings row 0 within ``room``; G = 1 (every row
+    and the sink at their true places) while the document fits. Against a plain loop."""
+    import numpy as np
+
+    from icecache.cache.positions import scaled_offsets
+
+    rng = np.random.default_rng(2)
+    for top, keep, room in [(300, 0, 500), (300, 50, 300), (5000, 0, 1000), (5000, 200, 1000),
+                            (5000, 900, 1000), (100_000, 2048, 7000), (12, 4, 7)]:
+        H, n = 3, min(40, top + 1)
+        rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
+        valid = rng.random((H, n)) < 0.8
+        offset, span = scaled_offsets(rows, valid, top, keep, room)
+        k = min(keep, room // 2)
+        g = 1
+        while top > room and k + (top - k) // g > room:
+            g += 1
+        for h in range(H):
+            for i in range(n):
+                if valid[h, i]:
+                    t = top - rows[h, i]
+                    assert int(offset[h, i]) == (t if t <= k else k + (t - k) // g)
+        want_span = (top if top <= k else k + (top - k) // g) + 1
+        assert span.tolist() == [want_span] * H and want_span <= room + 1
+        if top <= room:
+            assert g == 1 and want_span == top + 1  # the true places, the sink's too
+        if g > 1:  # the smallest factor: one less would not fit
+            assert k + (top - k) // (g - 1) > room

@@ -7,7 +7,11 @@ StreamingLLM's idea, on IceCache's pages):
 
 - the recent window (and a prefill chunk) at its true distance;
 - the rows brought back from the host store just beyond the window, per KV head in token order,
-  one position each (``pages: ordered``; ``one``: all at one distance, as InfLLM does);
+  one position each (``pages: ordered``; ``one``: all at one distance, as InfLLM does); or
+  ``scaled``: rows within ``keep`` tokens of the window at their true distance, farther ones at
+  ``keep + (distance - keep) // G`` with the smallest whole ``G`` that fits the document in the
+  trained context (Self-Extend's grouped positions; ``G`` = 1, the true positions, while the
+  document fits);
 - the sink tokens at their own positions, just before those rows.
 
 With every page loaded these are the true positions: remapped ice then equals full attention.
@@ -143,7 +147,8 @@ class Remap:
     frame: RopeFrame
     page_distance: int  # where pages from the host store sit: just beyond the window
     # "ordered": the loaded rows of a head in token order from page_distance on (one position
-    # each, the nearest first); "one": all at page_distance (InfLLM's single distance)
+    # each, the nearest first); "one": all at page_distance (InfLLM's single distance);
+    # "scaled": true distances within ``keep``, farther ones divided (:func:`scaled_offsets`)
     pages: str = "ordered"
     # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
     # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
@@ -241,6 +246,25 @@ def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
     if keep >= top >= 0:  # every row kept: the sink just beyond them is at its true place
         span[:] = top + 1
     return torch.from_numpy(offset), torch.from_numpy(span)
+
+
+def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows at grouped distances: ``rows`` (H, n) host-store rows, ``valid`` (H, n) bool
+    (NumPy); row ``top`` is the one whose offset 0 is its true place. A row ``t = top - row``
+    before it sits at offset ``t`` if ``t <= keep``, else at ``keep + (t - keep) // G``, with the
+    smallest whole ``G`` that brings row 0 to an offset within ``room``. Returns (offset (H, n),
+    span (H,): row 0's offset + 1 for every head, where the sink goes just beyond, so that it
+    is grouped with the rest; with ``G`` = 1 every row and the sink are at their true places)."""
+    import numpy as np
+
+    room = max(1, room)
+    keep = max(0, min(keep, room // 2))
+    group = 1 if top <= room else (top - keep) // (room - keep + 1) + 1  # floor((top-keep)/G) <= room-keep
+    t = np.clip(top - np.where(valid, rows, top), 0, None)  # (an invalid row: at 0, masked)
+    offset = np.where(t <= keep, t, keep + (t - keep) // group)
+    last = top if top <= keep else keep + (top - keep) // group
+    span = np.full(len(rows), max(last, -1) + 1, np.int64)
+    return torch.from_numpy(offset.astype(np.int64)), torch.from_numpy(span)
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
