@@ -191,7 +191,7 @@ def test_automatic_prefill_and_positions_choice():
 @pytest.mark.parametrize("sparse,gap,keep,pages", [(False, 1, 0, "ordered"), (True, 1, 0, "ordered"),
                                                    (True, 6, 0, "ordered"), (True, 1, 150, "ordered"),
                                                    (False, 1, 100_000, "ordered"), (True, 1, 0, "scaled"),
-                                                   (False, 1, 64, "scaled")])
+                                                   (False, 1, 64, "scaled"), (True, 1, 0, "spread")])
 def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
@@ -466,3 +466,36 @@ def test_scaled_offsets_group_far_rows_into_the_room():
             assert g == 1 and want_span == top + 1  # the true places, the sink's too
         if g > 1:  # the smallest factor: one less would not fit
             assert k + (top - k) // (g - 1) > room
+
+
+def test_spread_offsets_keep_every_row_its_own_place_in_order():
+    """``spread``: going back in token order each row takes its wanted offset (true within keep,
+    divided by G beyond) or one past the previous row if that is more; the span fits ``room``;
+    G = 1 gives the true places while the document fits. Against a plain loop."""
+    import numpy as np
+
+    from icecache.cache.positions import spread_offsets
+
+    rng = np.random.default_rng(9)
+    for top, keep, room in [(300, 0, 500), (5000, 0, 1000), (5000, 200, 1000), (100_000, 2048, 7000),
+                            (60, 4, 50)]:  # (room > rows: one position each fits)
+        H, n = 3, min(40, top + 1)
+        rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
+        valid = rng.random((H, n)) < 0.8
+        offset, span = spread_offsets(rows, valid, top, keep, room)
+        r = max(1, room - n)
+        k = min(keep, r // 2)
+        g = 1
+        while top > r and k + (top - k) // g > r:
+            g += 1
+        for h in range(H):
+            at = -1
+            for row, i in sorted(((rows[h, i], i) for i in range(n) if valid[h, i]), reverse=True):
+                t = top - row
+                want = t if t <= k else k + (t - k + g // 2) // g
+                at = max(want, at + 1)
+                assert int(offset[h, i]) == at
+            assert int(span[h]) >= at + 1 and int(span[h]) <= room + 1
+        if top <= r:
+            assert g == 1 and span.tolist() == [top + 1] * H
+            assert all(int(offset[h, i]) == top - rows[h, i] for h in range(H) for i in range(n) if valid[h, i])

@@ -30,7 +30,7 @@ from transformers.cache_utils import CacheLayerMixin
 from .backend import TorchBackend
 from .host_store import HostStore
 from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa, paged_decode_weighted
-from .positions import Remap, ordered_offsets, place_keys, scaled_offsets
+from .positions import Remap, ordered_offsets, place_keys, scaled_offsets, spread_offsets
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
 from .spec import IceSpec, StepStats
@@ -342,10 +342,10 @@ class IceLayer(CacheLayerMixin):
             keep = self.remap.keep_for(rows * gap + r.sink_fill + self.length - 1 - pages_at)
             top = pages_at - r.sink_fill  # the host row of the token at pages_at
             offset, count = ordered_offsets(r.pool_row, r.valid[:, pool], gap, top, keep)
-        elif self.remap.pages == "scaled":  # grouped distances that fit the trained context
+        elif self.remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
             room = self.remap.frame.trained - (self.length - pages_at) - r.sink_fill
-            offset, count = scaled_offsets(r.pool_row, r.valid[:, pool], pages_at - r.sink_fill,
-                                           self.remap.keep, room)
+            rule = scaled_offsets if self.remap.pages == "scaled" else spread_offsets
+            offset, count = rule(r.pool_row, r.valid[:, pool], pages_at - r.sink_fill, self.remap.keep, room)
         else:  # one position for all the pages
             offset = torch.zeros(self.heads, r.window_at - r.pool_at, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)

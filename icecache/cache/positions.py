@@ -148,7 +148,8 @@ class Remap:
     page_distance: int  # where pages from the host store sit: just beyond the window
     # "ordered": the loaded rows of a head in token order from page_distance on (one position
     # each, the nearest first); "one": all at page_distance (InfLLM's single distance);
-    # "scaled": true distances within ``keep``, farther ones divided (:func:`scaled_offsets`)
+    # "scaled": true distances within ``keep``, farther ones divided (:func:`scaled_offsets`);
+    # "spread": the same, each row one position at least past the previous (:func:`spread_offsets`)
     pages: str = "ordered"
     # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
     # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
@@ -265,6 +266,35 @@ def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.T
     last = top if top <= keep else keep + (top - keep) // group
     span = np.full(len(rows), max(last, -1) + 1, np.int64)
     return torch.from_numpy(offset.astype(np.int64)), torch.from_numpy(span)
+
+
+def spread_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pool rows at distances in proportion to the true ones, each row its own position: a row
+    ``t = top - row`` before row ``top`` wants offset ``t`` if ``t <= keep``, else ``keep + (t -
+    keep) / G`` (rounded) with the smallest whole ``G`` that fits row 0 within ``room`` less one
+    position per row; going back in token order, each row takes the larger of that and one past
+    the previous row (so order and adjacency survive, unlike :func:`scaled_offsets`). Returns
+    (offset (H, n), span (H,): the farthest row's offset + 1 and at least row 0's wanted offset
+    + 1; G = 1 while the document fits: every row and the sink at their true places)."""
+    import numpy as np
+
+    H, n = rows.shape
+    room = max(1, room - n)
+    keep = max(0, min(keep, room // 2))
+    group = 1 if top <= room else (top - keep) // (room - keep + 1) + 1
+    key = np.where(valid, rows, -1)
+    order = np.argsort(-key, axis=1, kind="stable")  # nearest first, invalid rows last
+    srt = np.take_along_axis(key, order, axis=1)
+    t = np.clip(top - srt, 0, None)
+    want = np.where(t <= keep, t, keep + (t - keep + group // 2) // group)
+    idx = np.arange(n)[None, :]
+    got = idx + np.maximum.accumulate(want - idx, axis=1)  # strictly increasing, at least wanted
+    got = np.where(srt >= 0, got, 0)  # (invalid rows: masked)
+    offset = np.empty_like(got)
+    np.put_along_axis(offset, order, got, axis=1)
+    last = top if top <= keep else keep + (top - keep + group // 2) // group
+    span = np.maximum(np.where(valid, offset, -1).max(axis=1, initial=-1), last) + 1
+    return torch.from_numpy(offset.astype(np.int64)), torch.from_numpy(span.astype(np.int64))
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
