@@ -45,7 +45,8 @@ def test_qa_finds_facts_at_the_start_middle_and_end_of_a_100k_token_report(tmp_p
     phrase over and over); summarize loaded the document instead of prefilling it again.
     The issue's targets, each fact found and the run within the profile's 16 GiB, are not met
     yet (docs/results.md, session 14: 0 of 3 facts, peak RSS 21.8 GB with the qa run's later
-    questions loading the saved document beside the first one's cache): while they are not, the
+    questions loading the saved document beside the first one's cache, which a strong reference
+    kept alive: fixed in session 15, not yet measured again at 100k): while they are not, the
     test reports an expected failure naming them, and passes once they are."""
     import subprocess
     import sys
