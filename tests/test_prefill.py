@@ -173,6 +173,7 @@ def test_sparse_prefill_refused_for_methods_without_pages(cpu_settings, loaded):
         make_cache("snapkv", loaded.model, cpu_settings.replace(prefill="sparse"))
 
 
+@pytest.mark.slow  # 1.5 minutes; the passkey evals cover it at length
 def test_sparse_prefill_passkey_like_full_prefill(cpu_settings, loaded):
     """The embedded model, ~1.5k tokens in chunks of 256: the sparse prefill (each chunk attends to
     64 selected pages' worth of 256 tokens, dense layers to the last 512) finds the passkey
@@ -232,7 +233,8 @@ def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
                      f"{loaded.context_length} trained)"]
 
 
-@pytest.mark.parametrize("method,positions", [("ice", "true"), ("ice", "remap"), ("ice-reuse", "true")])
+@pytest.mark.parametrize("method,positions", [("ice", "true"), ("ice", "remap"),
+                                              pytest.param("ice-reuse", "true", marks=pytest.mark.slow)])
 def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions):
     """One sparse prefill, forked to other budgets (what eval does per case): each fork's greedy
     tokens equal those of a session that prefilled with that budget itself, and the forks do not
