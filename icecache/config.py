@@ -90,10 +90,12 @@ class Settings:
     remap_gap: int = 1
     # remapped pages: loaded rows at most remap_keep tokens beyond the window keep their true
     # distance (0: none), as long as the rows farther back still fit in the trained context
+    # (placed by remap_pages)
     remap_keep: int = 0
     # where remapped pages go: "ordered" (packed just beyond the window, in token order), "one"
     # (all at one distance), "scaled" (true distances within remap_keep, farther ones divided by
-    # the smallest whole factor that fits the document in the trained context)
+    # the smallest whole factor that fits the document in the trained context), "spread" (as
+    # scaled, each row at least one position past the one before it)
     remap_pages: str = "ordered"
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).

@@ -334,20 +334,21 @@ class IceLayer(CacheLayerMixin):
         """A copy of the resident keys with the pool rows (un-rotated) placed to end at
         ``pages_at`` (in token order, or all there) and the sink just before them."""
         r = self.resident
-        pool = slice(r.pool_at, r.window_at)
+        valid = r.valid[:, r.pool_at : r.window_at]
+        rows = r.window_at - r.pool_at
+        top = pages_at - r.sink_fill  # the host row of the token at pages_at
+        # positions beyond pages_at that the pool rows and the sink may take in the trained context
+        room = self.remap.frame.trained - (self.length - pages_at) - r.sink_fill
         if self.remap.pages == "ordered":
-            rows = r.window_at - r.pool_at
             gap = self.remap.gap_for(rows)
-            # rows near the window keep their true distance if the rest still fits in the context
-            keep = self.remap.keep_for(rows * gap + r.sink_fill + self.length - 1 - pages_at)
-            top = pages_at - r.sink_fill  # the host row of the token at pages_at
-            offset, count = ordered_offsets(r.pool_row, r.valid[:, pool], gap, top, keep)
+            # rows near the window keep their true distance if the packed rest still fits
+            keep = min(self.remap.keep, room + 1 - rows * gap)
+            offset, count = ordered_offsets(r.pool_row, valid, gap, top, keep)
         elif self.remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
-            room = self.remap.frame.trained - (self.length - pages_at) - r.sink_fill
             rule = scaled_offsets if self.remap.pages == "scaled" else spread_offsets
-            offset, count = rule(r.pool_row, r.valid[:, pool], pages_at - r.sink_fill, self.remap.keep, room)
+            offset, count = rule(r.pool_row, valid, top, self.remap.keep, room)
         else:  # one position for all the pages
-            offset = torch.zeros(self.heads, r.window_at - r.pool_at, dtype=torch.int64)
+            offset = torch.zeros(self.heads, rows, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 

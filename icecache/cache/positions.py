@@ -11,7 +11,8 @@ StreamingLLM's idea, on IceCache's pages):
   ``scaled``: rows within ``keep`` tokens of the window at their true distance, farther ones at
   ``keep + (distance - keep) // G`` with the smallest whole ``G`` that fits the document in the
   trained context (Self-Extend's grouped positions; ``G`` = 1, the true positions, while the
-  document fits);
+  document fits); ``spread``: the same distances, but each row at least one position past the
+  one before it;
 - the sink tokens at their own positions, just before those rows.
 
 With every page loaded these are the true positions: remapped ice then equals full attention.
@@ -154,14 +155,9 @@ class Remap:
     # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
     # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
     gap: int = 1
-    # "ordered": pool rows at most ``keep`` tokens beyond the window keep their true distance
-    # (0: none); the rows farther back follow them as above (:func:`ordered_offsets`)
+    # pool rows at most ``keep`` tokens beyond the window keep their true distance (0: none);
+    # the rows farther back follow them by the ``pages`` rule
     keep: int = 0
-
-    def keep_for(self, beyond: int) -> int:
-        """``keep``, or less so that the kept rows plus ``beyond`` more positions (the packed
-        rows' span, the sink, the window) stay inside the trained context."""
-        return min(self.keep, self.frame.trained - beyond)
 
     def gap_for(self, rows: int) -> int:
         """The gap for ``rows`` pool rows of a head: ``gap``, or less so that their span stays
@@ -249,6 +245,14 @@ def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
     return torch.from_numpy(offset), torch.from_numpy(span)
 
 
+def _grouping(top: int, keep: int, room: int) -> tuple[int, int]:
+    """(keep, G) of the grouped rules: ``keep`` at most half of ``room``, and the smallest whole
+    ``G`` with ``keep + (top - keep) // G <= room`` (1 while ``top`` fits)."""
+    room = max(1, room)
+    keep = max(0, min(keep, room // 2))
+    return keep, 1 if top <= room else (top - keep) // (room - keep + 1) + 1
+
+
 def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool rows at grouped distances: ``rows`` (H, n) host-store rows, ``valid`` (H, n) bool
     (NumPy); row ``top`` is the one whose offset 0 is its true place. A row ``t = top - row``
@@ -258,9 +262,7 @@ def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.T
     is grouped with the rest; with ``G`` = 1 every row and the sink are at their true places)."""
     import numpy as np
 
-    room = max(1, room)
-    keep = max(0, min(keep, room // 2))
-    group = 1 if top <= room else (top - keep) // (room - keep + 1) + 1  # floor((top-keep)/G) <= room-keep
+    keep, group = _grouping(top, keep, room)
     t = np.clip(top - np.where(valid, rows, top), 0, None)  # (an invalid row: at 0, masked)
     offset = np.where(t <= keep, t, keep + (t - keep) // group)
     last = top if top <= keep else keep + (top - keep) // group
@@ -279,9 +281,7 @@ def spread_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.T
     import numpy as np
 
     H, n = rows.shape
-    room = max(1, room - n)
-    keep = max(0, min(keep, room // 2))
-    group = 1 if top <= room else (top - keep) // (room - keep + 1) + 1
+    keep, group = _grouping(top, keep, room - n)
     key = np.where(valid, rows, -1)
     order = np.argsort(-key, axis=1, kind="stable")  # nearest first, invalid rows last
     srt = np.take_along_axis(key, order, axis=1)
