@@ -67,6 +67,9 @@ class Settings:
     # (the pages holding the most of the group's summed attention, estimated) or "peaks" (the
     # same estimate from each page's best member)
     index_merge: str = "ranks"
+    # Lloyd passes over the DCI-tree's bottom-level grouping after a build and every 256 keys
+    # inserted (0: none): points move to the parent whose children's mean is nearest
+    index_refine: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -174,6 +177,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_beam_frac", "must be in [0, 1)")
     if s.index_merge not in MERGES:
         raise bad("index_merge", f"must be one of {', '.join(MERGES)}")
+    if not 0 <= s.index_refine <= 10:
+        raise bad("index_refine", "must be a whole number from 0 to 10")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

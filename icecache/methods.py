@@ -144,7 +144,8 @@ def ice_spec(settings: Settings, method: Method):
         # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
         index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
                           beam=settings.index_beam, beam_frac=settings.index_beam_frac,
-                          pages=settings.index_pages, merge=settings.index_merge),
+                          pages=settings.index_pages, merge=settings.index_merge,
+                          refine=settings.index_refine),
         selector=method.selector or "dci",
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",

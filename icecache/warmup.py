@@ -33,6 +33,7 @@ def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None
             tree.insert(keys[lo : lo + 4])  # point-by-point insertion
         trees.append(tree)
     queries = rng.standard_normal((max(kv_heads), group, head_dim)).astype(np.float32)
+    trees[0].refine(None, 1)  # the Lloyd refinement (profile key index_refine)
     trees[0].search(queries[0], 64)
     trees[0].search_group(queries[0], 64)
     trees[0].select_group(queries[0], 64, 4)

@@ -219,6 +219,8 @@ def index(
                                        "projection, similar, or both comma-separated (same keys).")] = "projection",
     merge: Annotated[str, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
                                        "ranks, mass, peaks, or several comma-separated (same keys).")] = "ranks",
+    refine: Annotated[str, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
+                                        "(0: none), or several comma-separated (same keys).")] = "0",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -247,8 +249,14 @@ def index(
         for m in merges:
             if m not in MERGES:
                 raise UsageError(f"--merge: '{m}' is not one of {', '.join(MERGES)}")
-        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m)
-                   for p in modes for m in merges]
+        try:
+            refines = [int(r) for r in refine.split(",") if r.strip()]
+        except ValueError:
+            raise UsageError(f"--refine: '{refine}' is not whole numbers, comma-separated") from None
+        if not refines or any(not 0 <= r <= 10 for r in refines):
+            raise UsageError("--refine: each value must be from 0 to 10")
+        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m, refine=r)
+                   for p in modes for m in merges for r in refines]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
@@ -257,7 +265,8 @@ def index(
             for cfg in configs:
                 res = IndexBenchResult(keys=n, budgets=budget_list)
                 for layer in layer_ids:
-                    rep.info(f"measuring layer {layer} ({cfg.pages} pages, {cfg.merge} merge)")
+                    rep.info(f"measuring layer {layer} ({cfg.pages} pages, {cfg.merge} merge, "
+                             f"refine {cfg.refine})")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
                               settings.sink_pages, settings.window_pages, cfg)
                 summary = res.summary()
@@ -271,7 +280,8 @@ def index(
 
 def print_table(s: dict) -> None:
     t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, "
-                f"{s['config']['pages']} pages, {s['config']['merge']} merge", box=None)
+                f"{s['config']['pages']} pages, {s['config']['merge']} merge, "
+                f"refine {s['config']['refine']}", box=None)
     t.add_column("budget")
     methods = list(next(iter(s["attention_mass_by_budget"].values())))
     for m in methods:

@@ -467,3 +467,94 @@ def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
     # the mass merge of the same keys picks other pages here (it is the other rule)
     mass = _two_head_trees(keys, "mass")[0]
     assert set(mass.select_group(queries, 96, 12).tolist()) != set(trees[0].select_group(queries, 96, 12).tolist())
+
+
+# -- Lloyd refinement of the bottom level's grouping ---------------------------------------------
+def bottom_groups(t: DCITree) -> tuple[np.ndarray, np.ndarray]:
+    """Bottom points whose parent is a level-1 point, and those parents (node ids)."""
+    pts = np.flatnonzero(t.level[: t.n] == 0)
+    par = t.parent[pts]
+    ok = (par > 0) & (t.level[np.maximum(par - 1, 0)] == 1)
+    return pts[ok], par[ok]
+
+
+def lloyd_objective(t: DCITree) -> float:
+    """Sum of squared distances of bottom points to their parent's children's mean."""
+    pts, par = bottom_groups(t)
+    X = t.rows(pts).astype(np.float64)
+    total = 0.0
+    for node in np.unique(par):
+        rows = X[par == node]
+        total += ((rows - rows.mean(0)) ** 2).sum()
+    return total
+
+
+@pytest.mark.parametrize("pages", ["projection", "similar"])
+def test_refinement_never_raises_the_objective_and_keeps_the_tree_whole(pages):
+    keys = clustered(3000, d=16, clusters=30, seed=4)
+    t = DCITree(16, IndexConfig(page_size=8, ratio_bottom=1 / 16, beam=10_000, pages=pages))
+    t.insert(keys)
+    costs = [lloyd_objective(t)]
+    for _ in range(4):
+        t.refine(None, 1)
+        check_invariants(t)
+        costs.append(lloyd_objective(t))
+    assert all(b <= a * (1 + 1e-6) for a, b in zip(costs, costs[1:], strict=False))
+    assert costs[-1] < 0.97 * costs[0]  # clustered keys: the nearest parent point is not the best group
+    assert t.npages == len(t.live_pages()) + len(t._free)  # no page lost to a refinement
+    queries = clustered(4, d=16, clusters=30, seed=5)
+    ids, _ = t.search(queries, 20)  # a full beam still finds the exact top keys
+    for r, q in enumerate(queries):
+        assert set(ids[r].tolist()) == set(exact_topk(keys, q, 20).tolist())
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seed=st.integers(0, 10_000),
+    batches=st.lists(st.integers(1, 60), min_size=5, max_size=40),
+    pages=st.sampled_from(["projection", "similar"]),
+    refine_min=st.sampled_from([1, 16, 64]),
+)
+def test_invariants_and_dirty_pages_with_refinement(seed, batches, pages, refine_min):
+    cfg = IndexConfig(page_size=4, ratio_bottom=0.1, ratio_upper=0.3, seed=seed, pages=pages, refine=2,
+                      refine_candidates=4, refine_min=refine_min)
+    t = DCITree(8, cfg)
+    rng = np.random.default_rng(seed)
+    t.insert(clustered(200, d=8, seed=seed))
+    check_invariants(t)
+    for b in batches:
+        before = {int(p): t.page_tokens(p).tolist() for p in t.live_pages()}
+        new = t.n + np.arange(b)
+        dirty = set(t.insert(clustered(b, d=8, seed=int(rng.integers(1 << 30)))).tolist())
+        assert {int(t.tok_page[i]) for i in new} <= dirty
+        live = {int(p) for p in t.live_pages()}
+        for p, members in before.items():  # changed or retired since: reported
+            if p not in live or members != t.page_tokens(p).tolist():
+                assert p in dirty
+        check_invariants(t)
+    assert t.npages == len(t.live_pages()) + len(t._free)
+
+
+def test_refinement_kernels_match_numpy():
+    from icecache.index.kernels import refine as rk
+
+    rng = np.random.default_rng(2)
+    rows = rng.standard_normal((300, 9)).astype(np.float32)
+    group = rng.integers(0, 20, 300)
+    group[group == 7] = 8  # group 7 has no rows: it keeps its own key
+    own = rng.standard_normal((20, 9)).astype(np.float32)
+    centres, sizes = rk.group_centres(rows, group, own)
+    for g in range(20):
+        want = rows[group == g].mean(0) if (group == g).any() else own[g]
+        np.testing.assert_allclose(centres[g], want, rtol=1e-5, atol=1e-6)
+    assert sizes.tolist() == np.bincount(group, minlength=20).tolist()
+    cand = np.stack([rng.choice(20, 5, replace=False) for _ in range(20)])
+    cand[:, 0] = np.arange(20)  # each group is its own candidate
+    csq = (centres.astype(np.float64) ** 2).sum(1).astype(np.float32)
+    out = np.empty(300, np.int64)
+    moved = rk.nearest_candidate(rows, group, cand, np.arange(20), centres, csq, out)
+    for j in range(300):
+        c = cand[group[j]]
+        d = ((rows[j].astype(np.float64) - centres[c]) ** 2).sum(1)
+        assert d[c.tolist().index(out[j])] <= d.min() + 1e-4
+    assert moved == int((out != group).sum())

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import kernels, walk
 from .config import IndexConfig
+from .kernels import refine as refine_kernels
 
 MAX_LEVELS = 12
 EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
@@ -42,6 +43,9 @@ class DCITree:
         self.M = 0.0
         self._rng = np.random.default_rng(self.cfg.seed)
         self._by_level: dict[int, list[np.ndarray]] = {}
+        self._free = np.empty(0, np.int32)  # retired pages a refinement may fill again
+        self._touched: list[np.ndarray] = []  # parents given bottom points since the last refinement
+        self._pending = 0  # keys inserted since then
         u = np.random.default_rng(self.cfg.seed + 7919).standard_normal(self.D)
         u[-1] = 0.0
         self.u = (u / np.linalg.norm(u)).astype(np.float32)
@@ -175,14 +179,111 @@ class DCITree:
         for lvl in set(levels.tolist()) - {0}:
             self._by_level.setdefault(lvl, []).append(ids[levels == lvl])
         # Levels top-down: a point's parent exists before the point itself is placed.
+        # A refinement in this call cuts the bottom pages it touches again: their first cut can
+        # be the cheap one (runs along the projection).
+        refine_now = bool(self.cfg.refine) and self._pending + m >= self.cfg.refine_min
         for lvl in sorted(set(levels.tolist()), reverse=True):
             at = levels == lvl
-            self._place(ids[at], lvl, rows[at])
+            self._place(ids[at], lvl, rows[at], cheap=refine_now and lvl == 0 and m > 64)
+        if self.cfg.refine:
+            # Small batches (a decode step's evicted page) wait until refine_min keys arrived.
+            self._touched.append(np.unique(self.parent[ids[levels == 0]]))
+            self._pending += m
+            if self._pending >= self.cfg.refine_min:
+                self.refine(np.unique(np.concatenate(self._touched)), self.cfg.refine)
+                self._touched, self._pending = [], 0
         return np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
 
-    def _place(self, ids: np.ndarray, lvl: int, rows: np.ndarray) -> None:
+    def refine(self, nodes: np.ndarray | None = None, passes: int = 1) -> int:
+        """Lloyd passes over the bottom level's grouping (see :class:`IndexConfig`'s ``refine``).
+
+        The movable points are the bottom-level children of ``nodes`` (node ids; ``None``: every
+        bottom-level parent). Each pass moves each of them to the nearest, by squared distance of
+        transformed keys, of its parent's ``refine_candidates`` nearest parents' children's
+        means (the parent itself included), then moves every mean to its children. The parents
+        whose children changed (and ``nodes``) get their pages cut again; changed pages are
+        marked dirty. Returns how many points changed parent.
+        """
+        if self.top_level < 1 or passes <= 0:
+            return 0
+        n = self.n
+        parents = self._level_ids(1)  # point ids of level 1; their node ids are + 1
+        if not len(parents):
+            return 0
+        parents = np.sort(parents)
+        pts = np.flatnonzero(self.level[:n] == 0).astype(np.int32)
+        par = self.parent[pts]
+        up = par > 0
+        up[up] = self.level[par[up] - 1] == 1
+        pts, par = pts[up], par[up]
+        if not len(pts):
+            return 0
+        group = np.searchsorted(parents, par - 1)
+        start = group.copy()
+        rows = self.rows(pts)
+        own = self.rows(parents)
+        movable_nodes = np.ones(len(parents), np.bool_) if nodes is None else np.isin(parents + 1, nodes)
+        scope = np.flatnonzero(movable_nodes)
+        movable = np.flatnonzero(movable_nodes[group])
+        if not len(movable):
+            return 0
+        C = min(self.cfg.refine_candidates, len(parents))
+        row_of = np.full(len(parents), -1, np.int64)
+        row_of[scope] = np.arange(len(scope))
+        centres, _ = refine_kernels.group_centres(rows, group, own)
+        out = np.empty(len(movable), np.int64)
+        for _ in range(passes):
+            csq = np.einsum("ij,ij->i", centres, centres).astype(np.float32)
+            cand = np.empty((len(scope), C), np.int64)
+            for lo in range(0, len(scope), 1024):
+                block = centres[scope[lo : lo + 1024]]
+                dist = csq[None] - 2.0 * (block @ centres.T)
+                cand[lo : lo + len(block)] = np.argpartition(dist, C - 1, axis=1)[:, :C]
+            moved = refine_kernels.nearest_candidate(rows[movable], group[movable], cand, row_of, centres,
+                                                     csq, out)
+            group[movable] = out
+            centres, _ = refine_kernels.group_centres(rows, group, own)
+            if not moved:
+                break
+        changed = group != start
+        recut = np.zeros(len(parents), np.bool_)
+        recut[scope] = True
+        recut[group[changed]] = True
+        recut[start[changed]] = True
+        self._recut(parents[recut] + 1, pts, parents[group] + 1)
+        return int(changed.sum())
+
+    def _recut(self, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray) -> None:
+        """Give ``pts`` their ``new_parent`` (node ids) and cut the children of ``nodes`` (which
+        hold every point whose parent changed, before and after) into pages again."""
+        nodes = nodes.astype(np.int32)
+        old_pages = refine_kernels.node_pages(nodes, self.first_page, self.next_page)
+        self.parent[pts] = new_parent
+        ids = pts[np.isin(new_parent, nodes)]
+        rows = self.rows(ids)  # before the pages are refilled
+        order = np.lexsort((self.proj[ids], self.parent[ids]))
+        ids, rows = ids[order], np.ascontiguousarray(rows[order])
+        S = self.cfg.page_size
+        _, sizes = np.unique(self.parent[ids], return_counts=True)
+        free = np.concatenate([old_pages, self._free]).astype(np.int32)
+        need = int((-(-sizes // S)).sum())
+        self._ensure_pages(max(0, need - len(free)))
+        self.first_page[nodes] = -1
+        self.node_size[nodes] = 0
+        self.npages, used = refine_kernels.attach_fresh(
+            ids, rows, self.parent[ids].astype(np.int32), free, *self._page_state(), self.npages,
+            self._similar)
+        left = free[used:]
+        self.count[left] = 0
+        self.owner[left] = -2  # retired until a later refinement fills it
+        self.next_page[left] = -1
+        self.dirty[left] = True
+        self._free = left
+
+    def _place(self, ids: np.ndarray, lvl: int, rows: np.ndarray, cheap: bool = False) -> None:
         """Attach points of one level (transformed keys ``rows``): under the root at the top,
-        else under their parents."""
+        else under their parents (``cheap``: a bulk attach cuts new nodes' pages along the
+        projection whatever the page rule; a refinement cuts them again)."""
         root = np.zeros(len(ids), np.int32)
         if lvl > self.top_level:
             old_top = self.top_level
@@ -195,7 +296,7 @@ class DCITree:
         elif lvl == self.top_level:
             self._attach(ids, root, rows)
         else:
-            self._attach(ids, self._parents(ids, lvl, rows), rows)
+            self._attach(ids, self._parents(ids, lvl, rows), rows, cheap)
 
     def _level_ids(self, lvl: int) -> np.ndarray:
         """Point ids of one level (upper levels only; kept as the points arrive)."""
@@ -224,6 +325,8 @@ class DCITree:
             pg = nxt
         self.first_page[0] = -1
         self.node_size[0] = 0
+        retired = np.flatnonzero(self.owner[: self.npages] == -2).astype(np.int32)
+        self._free = np.union1d(self._free, retired).astype(np.int32)  # a refinement may reuse them
         if not held:
             return np.empty(0, np.int32), np.empty((0, self.D), np.float32)
         return np.concatenate(held), np.concatenate(rows)
@@ -261,7 +364,7 @@ class DCITree:
             self.count, self.lo, self.hi, self.node_size, sid, ssc, out)
         return out
 
-    def _attach(self, ids: np.ndarray, parents: np.ndarray, rows: np.ndarray) -> None:
+    def _attach(self, ids: np.ndarray, parents: np.ndarray, rows: np.ndarray, cheap: bool = False) -> None:
         self.parent[ids] = parents
         if len(ids) <= 64:  # point by point: each point makes at most one page (split or first)
             self._ensure_pages(len(ids) + 1)
@@ -276,7 +379,7 @@ class DCITree:
             order = np.lexsort((self.proj[ids], parents))
             self.npages = kernels.attach_sorted(
                 ids[order].astype(np.int32), np.ascontiguousarray(rows[order]),
-                parents[order].astype(np.int32), *self._page_state(), self.npages, self._similar)
+                parents[order].astype(np.int32), *self._page_state(), self.npages, self._similar and not cheap)
             return
         npages, state = self.npages, self._page_state()
         for t, (i, p) in enumerate(zip(ids.tolist(), parents.tolist(), strict=True)):
