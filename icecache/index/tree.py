@@ -197,60 +197,68 @@ class DCITree:
     def refine(self, nodes: np.ndarray | None = None, passes: int = 1) -> int:
         """Lloyd passes over the bottom level's grouping (see :class:`IndexConfig`'s ``refine``).
 
-        The movable points are the bottom-level children of ``nodes`` (node ids; ``None``: every
-        bottom-level parent). Each pass moves each of them to the nearest, by squared distance of
-        transformed keys, of its parent's ``refine_candidates`` nearest parents' children's
-        means (the parent itself included), then moves every mean to its children. The parents
-        whose children changed (and ``nodes``) get their pages cut again; changed pages are
-        marked dirty. Returns how many points changed parent.
+        The movable points are the children of ``nodes`` (node ids of level-1 points; ``None``:
+        every level-1 point). Each such parent's candidates are the ``refine_candidates``
+        level-1 points nearest its children's mean (itself included); each pass moves every
+        movable point to the candidate of its parent whose children's mean is nearest (squared
+        distance of transformed keys), then moves every mean to its children. Only those
+        parents and candidates are read, so the cost follows the batch, not the tree. The
+        parents whose children changed (and ``nodes``) get their pages cut again; changed pages
+        are marked dirty. Returns how many points changed parent.
         """
         if self.top_level < 1 or passes <= 0:
             return 0
-        n = self.n
-        parents = self._level_ids(1)  # point ids of level 1; their node ids are + 1
-        if not len(parents):
+        level1 = np.sort(self._level_ids(1))  # their node ids are + 1
+        if not len(level1):
             return 0
-        parents = np.sort(parents)
-        pts = np.flatnonzero(self.level[:n] == 0).astype(np.int32)
-        par = self.parent[pts]
-        up = par > 0
-        up[up] = self.level[par[up] - 1] == 1
-        pts, par = pts[up], par[up]
-        if not len(pts):
+        if nodes is None:
+            scope = level1 + 1
+        else:
+            scope = np.unique(np.asarray(nodes, np.int64))
+            scope = scope[scope > 0]
+            scope = scope[self.level[scope - 1] == 1].astype(np.int32)
+        if not len(scope):
             return 0
-        group = np.searchsorted(parents, par - 1)
+        C = min(self.cfg.refine_candidates, len(level1))
+        own = self.rows(level1)
+        ids, group = refine_kernels.node_children(scope.astype(np.int32), self.first_page, self.next_page,
+                                                  self.members, self.count)
+        centres, _ = refine_kernels.group_centres(self.rows(ids), group, self.rows(scope - 1))
+        # Candidates: the level-1 points of largest inner product with the mean (all transformed
+        # keys have the same norm, so that is the nearest), the parent itself always among them.
+        cand = np.empty((len(scope), C), np.int64)
+        for lo in range(0, len(scope), 1024):
+            sims = centres[lo : lo + 1024] @ own.T
+            cand[lo : lo + len(sims)] = level1[np.argpartition(-sims, C - 1, axis=1)[:, :C]] + 1
+        mine = scope.astype(np.int64)
+        has = (cand == mine[:, None]).any(1)
+        cand[~has, -1] = mine[~has]
+        universe = np.unique(np.concatenate([mine, cand.ravel()])).astype(np.int32)
+        # In universe indices; a parent outside the scope has only itself (its children stay).
+        cand_u = np.repeat(np.arange(len(universe))[:, None], C, axis=1)
+        cand_u[np.searchsorted(universe, mine)] = np.searchsorted(universe, cand)
+        ids, group = refine_kernels.node_children(universe, self.first_page, self.next_page, self.members,
+                                                  self.count)
+        if not len(ids):
+            return 0
+        rows = self.rows(ids)
+        own_u = self.rows(universe - 1)
         start = group.copy()
-        rows = self.rows(pts)
-        own = self.rows(parents)
-        movable_nodes = np.ones(len(parents), np.bool_) if nodes is None else np.isin(parents + 1, nodes)
-        scope = np.flatnonzero(movable_nodes)
-        movable = np.flatnonzero(movable_nodes[group])
-        if not len(movable):
-            return 0
-        C = min(self.cfg.refine_candidates, len(parents))
-        row_of = np.full(len(parents), -1, np.int64)
-        row_of[scope] = np.arange(len(scope))
-        centres, _ = refine_kernels.group_centres(rows, group, own)
-        out = np.empty(len(movable), np.int64)
+        row_of = np.arange(len(universe))
+        out = np.empty(len(ids), np.int64)
+        centres, _ = refine_kernels.group_centres(rows, group, own_u)
         for _ in range(passes):
             csq = np.einsum("ij,ij->i", centres, centres).astype(np.float32)
-            cand = np.empty((len(scope), C), np.int64)
-            for lo in range(0, len(scope), 1024):
-                block = centres[scope[lo : lo + 1024]]
-                dist = csq[None] - 2.0 * (block @ centres.T)
-                cand[lo : lo + len(block)] = np.argpartition(dist, C - 1, axis=1)[:, :C]
-            moved = refine_kernels.nearest_candidate(rows[movable], group[movable], cand, row_of, centres,
-                                                     csq, out)
-            group[movable] = out
-            centres, _ = refine_kernels.group_centres(rows, group, own)
+            moved = refine_kernels.nearest_candidate(rows, group, cand_u, row_of, centres, csq, out)
+            group[:] = out
+            centres, _ = refine_kernels.group_centres(rows, group, own_u)
             if not moved:
                 break
         changed = group != start
-        recut = np.zeros(len(parents), np.bool_)
-        recut[scope] = True
+        recut = np.isin(universe, scope)
         recut[group[changed]] = True
         recut[start[changed]] = True
-        self._recut(parents[recut] + 1, pts, parents[group] + 1)
+        self._recut(universe[recut], ids, universe[group])
         return int(changed.sum())
 
     def _recut(self, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray) -> None:

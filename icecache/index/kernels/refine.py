@@ -90,6 +90,30 @@ def node_pages(nodes, first_page, next_page):
 
 
 @njit(nogil=True, cache=True)
+def node_children(nodes, first_page, next_page, members, count):
+    """The children of ``nodes`` (from their pages) and, for each, the index of its node in
+    ``nodes``."""
+    total = 0
+    for t in range(nodes.shape[0]):
+        pg = first_page[nodes[t]]
+        while pg >= 0:
+            total += count[pg]
+            pg = next_page[pg]
+    ids = np.empty(total, np.int32)
+    group = np.empty(total, np.int64)
+    m = 0
+    for t in range(nodes.shape[0]):
+        pg = first_page[nodes[t]]
+        while pg >= 0:
+            for s in range(count[pg]):
+                ids[m] = members[pg, s]
+                group[m] = t
+                m += 1
+            pg = next_page[pg]
+    return ids, group
+
+
+@njit(nogil=True, cache=True)
 def attach_fresh(ids, rows, parents, free, proj, PX, members, count, next_page, owner, lo, hi, dirty,
                  first_page, node_size, tok_page, tok_slot, npages, similar):
     """Like ``attach_sorted`` for parents that have no children (the caller emptied them): each
