@@ -145,7 +145,9 @@ def ice_spec(settings: Settings, method: Method):
         index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
                           beam=settings.index_beam, beam_frac=settings.index_beam_frac,
                           pages=settings.index_pages, merge=settings.index_merge,
-                          refine=settings.index_refine),
+                          refine=settings.index_refine,
+                          # at most a chunk's keys between refinements (tiny test chunks too)
+                          refine_min=max(1, min(256, settings.chunk_size))),
         selector=method.selector or "dci",
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",

@@ -92,6 +92,7 @@ def run_sparse(loaded, method, root, changes, question_tokens):
 @pytest.mark.parametrize("method,changes", [
     ("ice", {}), ("ice", {"positions": "remap"}), ("ice-reuse", {"reuse_every": 2}),
     ("quest", {}), ("streaming", {}), ("ice", {"pipeline": False}),
+    ("ice", {"index_pages": "similar", "index_merge": "mass", "index_refine": 2}),
 ])
 def test_sparse_prefill_state_round_trip(loaded, tmp_path, method, changes, question_tokens):
     """A sparse prefill's whole cache state (host store, index, window, pool) is saved at the
@@ -343,3 +344,24 @@ def test_settings_added_later_join_the_identity_only_when_set(loaded, tmp_path):
     assert stats.prefix_cached_tokens == 0 and len(list_entries(tmp_path)) == 2
     _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "remap_keep": 0}, 40)
     assert stats.prefix_cached_tokens == PREFIX
+
+
+def test_refined_index_is_saved_and_restored(loaded, tmp_path, monkeypatch):
+    """With ``index_refine`` the trees refine during the sparse prefill (counted here), and the
+    restored state (free pages, pending keys) continues exactly as the saving run did."""
+    from icecache.index import DCITree
+
+    calls = []
+    original = DCITree.refine
+
+    def counted(self, *a, **kw):
+        moved = original(self, *a, **kw)
+        calls.append(moved)
+        return moved
+
+    monkeypatch.setattr(DCITree, "refine", counted)
+    changes = {"index_pages": "similar", "index_merge": "mass", "index_refine": 2}
+    first, _, pages1 = run_sparse(loaded, "ice", tmp_path, changes, 40)
+    assert calls and sum(calls) > 0  # refinements ran and moved points
+    second, s2, pages2 = run_sparse(loaded, "ice", tmp_path, changes, 40)
+    assert s2.prefix_cached_tokens == PREFIX and second == first and pages2 == pages1
