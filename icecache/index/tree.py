@@ -258,17 +258,18 @@ class DCITree:
         recut = np.isin(universe, scope)
         recut[group[changed]] = True
         recut[start[changed]] = True
-        self._recut(universe[recut], ids, universe[group])
+        self._recut(universe[recut], ids, universe[group], rows)
         return int(changed.sum())
 
-    def _recut(self, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray) -> None:
-        """Give ``pts`` their ``new_parent`` (node ids) and cut the children of ``nodes`` (which
-        hold every point whose parent changed, before and after) into pages again."""
+    def _recut(self, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray, rows: np.ndarray) -> None:
+        """Give ``pts`` (transformed keys ``rows``) their ``new_parent`` (node ids) and cut the
+        children of ``nodes`` (which hold every point whose parent changed, before and after)
+        into pages again."""
         nodes = nodes.astype(np.int32)
         old_pages = refine_kernels.node_pages(nodes, self.first_page, self.next_page)
         self.parent[pts] = new_parent
-        ids = pts[np.isin(new_parent, nodes)]
-        rows = self.rows(ids)  # before the pages are refilled
+        keep = np.isin(new_parent, nodes)
+        ids, rows = pts[keep], rows[keep]
         order = np.lexsort((self.proj[ids], self.parent[ids]))
         ids, rows = ids[order], np.ascontiguousarray(rows[order])
         S = self.cfg.page_size

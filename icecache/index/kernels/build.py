@@ -193,6 +193,38 @@ def insert_child(i, xi, node, proj, PX, members, count, next_page, owner, lo, hi
 
 
 @njit(nogil=True, cache=True)
+def cut_node(node, ids, rows, free, used, npages, similar, proj, PX, members, count, next_page, owner, lo, hi,
+             dirty, first_page, tok_page, tok_slot):
+    """``node`` (without pages) gets its children ``ids`` (transformed keys ``rows``, in
+    projection order) as full pages: runs in that order, or with ``similar`` as many balanced
+    k-means groups as pages are needed. Pages come from ``free[used:]`` first, then new ones.
+    Returns (new page count, free pages used)."""
+    S = members.shape[1]
+    k = (ids.shape[0] + S - 1) // S
+    if similar and k > 1:
+        labels = balanced_groups(rows, k, 6)
+    else:
+        labels = np.arange(ids.shape[0]) // S
+    prev = -1
+    for j in range(k):
+        if used < free.shape[0]:
+            pg = free[used]
+            used += 1
+        else:
+            pg = npages
+            npages += 1
+        _fill_page(pg, node, ids, rows, _picks(labels, j), proj, PX, members, count, owner, lo, hi, dirty,
+                   tok_page, tok_slot)
+        next_page[pg] = -1
+        if prev < 0:
+            first_page[node] = pg
+        else:
+            next_page[prev] = pg
+        prev = pg
+    return npages, used
+
+
+@njit(nogil=True, cache=True)
 def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner, lo, hi, dirty,
                   first_page, node_size, tok_page, tok_slot, npages, similar=False):
     """Bulk attach: ``ids`` sorted by (parent, projection), ``rows[t]`` the transformed key of
@@ -202,8 +234,8 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
     with ``similar`` as many balanced k-means groups as pages are needed; any other parent takes
     them one by one through ``insert_child``. Pages built here are marked dirty.
     """
-    S = members.shape[1]
     n = ids.shape[0]
+    no_free = np.empty(0, np.int32)
     a = 0
     while a < n:
         node = parents[a]
@@ -216,23 +248,8 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
                                       lo, hi, dirty, first_page, node_size, tok_page, tok_slot,
                                       npages, similar)
         else:
-            k = (b - a + S - 1) // S
-            if similar and k > 1:
-                labels = balanced_groups(rows[a:b], k, 6)
-            else:
-                labels = np.arange(b - a) // S
-            prev = -1
-            for j in range(k):
-                pg = npages
-                npages += 1
-                _fill_page(pg, node, ids[a:b], rows[a:b], _picks(labels, j), proj, PX, members, count,
-                           owner, lo, hi, dirty, tok_page, tok_slot)
-                next_page[pg] = -1
-                if prev < 0:
-                    first_page[node] = pg
-                else:
-                    next_page[prev] = pg
-                prev = pg
+            npages, _ = cut_node(node, ids[a:b], rows[a:b], no_free, 0, npages, similar, proj, PX, members,
+                                 count, next_page, owner, lo, hi, dirty, first_page, tok_page, tok_slot)
             node_size[node] += b - a
         a = b
     return npages

@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
-from .build import _fill_page, _picks, balanced_groups
+from .build import cut_node
 
 
 @njit(nogil=True, cache=True)
@@ -120,7 +120,6 @@ def attach_fresh(ids, rows, parents, free, proj, PX, members, count, next_page, 
     parent's children (``ids`` sorted by parent, then projection) become full pages, runs along
     the projection or balanced k-means groups (``similar``). Pages come from ``free`` first,
     then new ones. Returns (new page count, free pages used)."""
-    S = members.shape[1]
     n = ids.shape[0]
     used = 0
     a = 0
@@ -129,27 +128,8 @@ def attach_fresh(ids, rows, parents, free, proj, PX, members, count, next_page, 
         b = a
         while b < n and parents[b] == node:
             b += 1
-        k = (b - a + S - 1) // S
-        if similar and k > 1:
-            labels = balanced_groups(rows[a:b], k, 6)
-        else:
-            labels = np.arange(b - a) // S
-        prev = -1
-        for j in range(k):
-            if used < free.shape[0]:
-                pg = free[used]
-                used += 1
-            else:
-                pg = npages
-                npages += 1
-            _fill_page(pg, node, ids[a:b], rows[a:b], _picks(labels, j), proj, PX, members, count,
-                       owner, lo, hi, dirty, tok_page, tok_slot)
-            next_page[pg] = -1
-            if prev < 0:
-                first_page[node] = pg
-            else:
-                next_page[prev] = pg
-            prev = pg
+        npages, used = cut_node(node, ids[a:b], rows[a:b], free, used, npages, similar, proj, PX, members,
+                                count, next_page, owner, lo, hi, dirty, first_page, tok_page, tok_slot)
         node_size[node] = b - a
         a = b
     return npages, used
