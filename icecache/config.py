@@ -70,6 +70,9 @@ class Settings:
     # Lloyd passes over the DCI-tree's bottom-level grouping after a build and every 256 keys
     # inserted (0: none): points move to the parent whose children's mean is nearest
     index_refine: int = 0
+    # pick the budget's tokens (not whole pages): the index selects token_pick x the budget in
+    # pages, and the tokens holding most of the group's attention among them are loaded (0: off)
+    token_pick: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -179,6 +182,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_merge", f"must be one of {', '.join(MERGES)}")
     if not 0 <= s.index_refine <= 10:
         raise bad("index_refine", "must be a whole number from 0 to 10")
+    if s.token_pick != 0 and not 2 <= s.token_pick <= 16:
+        raise bad("token_pick", "must be 0 (off) or a whole number from 2 to 16")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

@@ -44,7 +44,7 @@ LENGTHS = "lengths.json"
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.
-SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0}
+SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0, "token_pick": 0}
 
 Warn = Callable[[str], None]
 

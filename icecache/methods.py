@@ -157,6 +157,7 @@ def ice_spec(settings: Settings, method: Method):
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
+        token_pick=settings.token_pick,
         host_dtype=host_dtype(settings),
     )
 

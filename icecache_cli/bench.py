@@ -221,6 +221,9 @@ def index(
                                        "ranks, mass, peaks, or several comma-separated (same keys).")] = "ranks",
     refine: Annotated[str, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
                                         "(0: none), or several comma-separated (same keys).")] = "0",
+    pick: Annotated[str, typer.Option("--pick", help="token_pick multiples measured beside the pages "
+                                      "(ice_pickM: the budget's best tokens among M x the budget in "
+                                      "pages), comma-separated; 0: none.")] = "4",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -255,6 +258,12 @@ def index(
             raise UsageError(f"--refine: '{refine}' is not whole numbers, comma-separated") from None
         if not refines or any(not 0 <= r <= 10 for r in refines):
             raise UsageError("--refine: each value must be from 0 to 10")
+        try:
+            picks = tuple(int(m) for m in pick.split(",") if m.strip() and int(m) != 0)
+        except ValueError:
+            raise UsageError(f"--pick: '{pick}' is not whole numbers, comma-separated") from None
+        if any(not 2 <= m <= 16 for m in picks):
+            raise UsageError("--pick: each value must be 0 or from 2 to 16")
         configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m, refine=r)
                    for p in modes for m in merges for r in refines]
         for n in sizes:
@@ -268,7 +277,7 @@ def index(
                     rep.info(f"measuring layer {layer} ({cfg.pages} pages, {cfg.merge} merge, "
                              f"refine {cfg.refine})")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
-                              settings.sink_pages, settings.window_pages, cfg)
+                              settings.sink_pages, settings.window_pages, cfg, picks)
                 summary = res.summary()
                 summary["config"] = dataclasses.asdict(cfg)
                 summary["layers"] = layer_ids
@@ -304,7 +313,9 @@ def print_table(s: dict) -> None:
 @with_options("opts", BenchOptions)
 def decode(
     ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
-    methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline.")] = "full,ice",
+    methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline. "
+                                         "A method may change profile keys for its own row: "
+                                         "'ice[token_pick=4]', 'ice[index_merge=mass,index_refine=2]'.")] = "full,ice",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
     opts: BenchOptions = None,
 ) -> None:
@@ -316,8 +327,10 @@ def decode(
     budget, profile, model, as_json, quiet = opts.budget, opts.profile, opts.model, opts.as_json, opts.quiet
     with user_errors(), Reporter(quiet) as rep:
         sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
-        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         settings = resolve_settings(profile, budget=budget, weights=opts.weights)
+        variants = [parse_variant(text, settings) for text in split_methods(methods)]
+        for _label, method, _s in variants:
+            check_method(method)
         loaded = load_model(model, settings, log=rep.info)
         results = []
         for n in sizes:
@@ -326,9 +339,10 @@ def decode(
             shared = decode_bench.prefill(loaded, settings, n, lambda d, t: rep.progress("prefill", d, t))
             rep.close()
             rep.info(f"prefill: {shared.seconds:.1f} s")
-            for method in method_list:
-                rep.info(f"{method} at {n} tokens: decoding ...")
-                r = decode_bench.run(loaded, settings, method, n, steps=steps, shared=shared)
+            for label, method, method_settings in variants:
+                rep.info(f"{label} at {n} tokens: decoding ...")
+                r = decode_bench.run(loaded, method_settings, method, n, steps=steps, shared=shared)
+                r.method = label
                 row = r.as_dict()
                 base = base or r
                 row["tpot_ratio_vs_" + base.method] = base.tpot_ms / r.tpot_ms
@@ -338,7 +352,7 @@ def decode(
                 results.append(row)
                 if not quiet:
                     stderr.print(
-                        f"{method:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
+                        f"{label:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
                         f"speed-up {base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
                         f"device KV {r.device_kv_bytes / 2**20:.1f} MiB "
                         f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}; layers "
@@ -402,3 +416,46 @@ def prefill(
                         markup=False)
         if as_json:
             emit(json.dumps({"results": results}))
+
+
+def split_methods(text: str) -> list[str]:
+    """``--methods`` split at the commas outside brackets: 'full,ice[a=1,b=2]' -> two."""
+    out, depth, cur = [], 0, ""
+    for ch in text:
+        depth += (ch == "[") - (ch == "]")
+        if depth < 0 or depth > 1:
+            raise UsageError(f"--methods: unbalanced brackets in '{text}'")
+        if ch == "," and depth == 0:
+            out.append(cur.strip())
+            cur = ""
+        else:
+            cur += ch
+    if depth:
+        raise UsageError(f"--methods: unbalanced brackets in '{text}'")
+    out.append(cur.strip())
+    return [m for m in out if m]
+
+
+def parse_variant(text: str, settings):
+    """'ice' or 'ice[key=value,...]' -> (label, method, settings with the profile keys changed;
+    values read as YAML, checked as a profile's)."""
+    import yaml
+
+    from icecache.config import ProfileError, apply
+
+    if "[" not in text:
+        return text, text, settings
+    method, _, rest = text.partition("[")
+    if not rest.endswith("]"):
+        raise UsageError(f"--methods: '{text}' must end with ']'")
+    values = {}
+    for item in rest[:-1].split(","):
+        key, eq, value = item.partition("=")
+        if not eq or not key.strip():
+            raise UsageError(f"--methods: '{item}' in '{text}' is not key=value")
+        values[key.strip()] = yaml.safe_load(value.strip())
+    try:
+        changed = apply(settings, values, f"--methods {text}")
+    except ProfileError as exc:
+        raise UsageError(str(exc)) from None
+    return text, method.strip(), changed

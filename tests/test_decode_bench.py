@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from icecache.bench import decode_bench
 
 
@@ -119,3 +121,22 @@ def test_bench_positions_measured_side_by_side():
     assert bad.returncode == 2 and "'sideways' is not one of" in bad.stderr.decode()
     twice = run_cli(["bench", "--ctx", "700", "--positions", "true,true"])
     assert twice.returncode == 2 and "given twice" in twice.stderr.decode()
+
+
+def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
+    """``--methods full,ice[token_pick=4,index_merge=mass]``: brackets keep their commas, the
+    keys are checked as a profile's, and a bad one is a usage error naming it."""
+    from icecache.errors import UsageError
+    from icecache_cli.bench import parse_variant, split_methods
+
+    assert split_methods("full, ice[token_pick=4,index_merge=mass],quest") == [
+        "full", "ice[token_pick=4,index_merge=mass]", "quest"]
+    label, method, s = parse_variant("ice[token_pick=4,index_merge=mass]", cpu_settings)
+    assert (label, method, s.token_pick, s.index_merge) == ("ice[token_pick=4,index_merge=mass]", "ice", 4, "mass")
+    assert parse_variant("ice", cpu_settings) == ("ice", "ice", cpu_settings)
+    for bad, words in (("ice[token_pick=1]", "token_pick"), ("ice[nope=2]", "nope"),
+                       ("ice[token_pick]", "key=value"), ("ice[token_pick=x]", "token_pick")):
+        with pytest.raises(UsageError, match=words):
+            parse_variant(bad, cpu_settings)
+    with pytest.raises(UsageError, match="brackets"):
+        split_methods("ice[token_pick=4")

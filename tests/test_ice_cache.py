@@ -322,3 +322,81 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     torch.testing.assert_close(got[0], ref[0])  # the prefill is full attention
     assert max(float((a - b).abs().max()) for a, b in zip(ref[1:], got[1:], strict=True)) > 1e-3
     prepare_model("full", model)
+
+
+def test_token_pick_covering_everything_equals_full():
+    """token_pick with room for every token decodes exactly like the dense cache."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 97, 150).tolist()
+    forced = rng.integers(0, 97, 30).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": 4})
+    cache = ice_cache(model, s)
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def picked_rows(sel, head: int, pages: np.ndarray) -> np.ndarray:
+    members, count, _ = sel.page_table(head)
+    return np.sort(np.concatenate([members[p, : count[p]] for p in pages]))
+
+
+def test_token_pick_loads_the_candidates_best_tokens():
+    """Each KV head's pick is the ``take`` candidates (members of the tree's m x budget pages)
+    with the most of the group's softmax weight, computed here with NumPy; the picked tokens
+    fit ``max_pages`` pages at every step, also after a wider selection (a prefill chunk's)."""
+    from icecache.cache.selectors import make_selector
+    from icecache.cache.selectors.dci import page_members
+
+    rng = np.random.default_rng(7)
+    S, H, G, d, n = 4, 2, 3, 16, 600
+    s = IceSpec(page_size=S, budget_pages=6, index=IndexConfig(page_size=S, ratio_bottom=0.1),
+                token_pick=3, sparse_prefill=True, prefill_pages=12)
+    sel = make_selector(s)
+    keys = rng.normal(size=(H, n, d)).astype(np.float32)
+    sel.build(torch.from_numpy(keys), 0, n, n + 64)
+    for step in range(12):
+        max_pages = 12 if step < 3 else 6  # chunks first, then decode steps
+        q = rng.normal(size=(H, G, d)).astype(np.float32) * 2
+        cand = sel.select_pages(q, 3 * max_pages)
+        got = sel.select(q, max_pages)
+        for h in range(H):
+            rows = page_members(sel.indexes[h], cand[h])
+            z = (q[h].astype(np.float64) @ keys[h, rows].astype(np.float64).T) * d ** -0.5
+            w = np.exp(z - z.max(axis=1, keepdims=True))
+            w = (w / w.sum(axis=1, keepdims=True)).sum(axis=0)
+            want = np.sort(rows[np.argsort(-w, kind="stable")[: max_pages * S]])
+            assert len(rows) > max_pages * S  # a real choice among more candidates
+            np.testing.assert_array_equal(picked_rows(sel, h, got[h]), want)
+            assert len(got[h]) <= max_pages
+
+
+def test_token_pick_pool_holds_the_picked_rows():
+    """In a decode step with token_pick the pool's valid rows are exactly the picked host rows,
+    and a page whose members changed is loaded again (its version moved)."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 97, 200).tolist()
+    forced = rng.integers(0, 97, 12).tolist()
+    s = IceSpec(**{**spec(budget_pages=4).__dict__, "token_pick": 4})
+    cache = ice_cache(model, s)
+    run_steps(model, cache, prompt, forced)
+    layer = cache.ice_layers()[0]
+    r = layer.resident
+    r.track_rows = True
+    r.slot_page[:] = -1  # an empty pool: every picked page is loaded (rows recorded)
+    r.valid[:, r.pool_at : r.window_at] = False
+    with torch.inference_mode():
+        layer.select(torch.randn(4, 16))
+        layer.load()
+    pool = slice(r.pool_at, r.window_at)
+    for h in range(layer.heads):
+        valid = r.valid[h, pool]
+        held = r.pool_row[h][valid]
+        rows = picked_rows(layer.selector, h, layer.selected[h])
+        assert len(rows) == 4 * 4  # the budget's tokens, not whole tree pages
+        np.testing.assert_array_equal(np.sort(held), rows)
+        torch.testing.assert_close(r.keys[h, pool][torch.from_numpy(valid)],
+                                   layer.store.keys[h, torch.from_numpy(held)].to(r.keys.dtype))

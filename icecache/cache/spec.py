@@ -29,6 +29,7 @@ class IceSpec:
     chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
+    token_pick: int = 0  # dci: select token_pick x the pages, load the best tokens among them (0: off)
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property

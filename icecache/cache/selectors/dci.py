@@ -1,5 +1,12 @@
 """IceCache's selector: one DCI-tree per KV head (:class:`~icecache.index.DCITree`), pages of
-keys clustered by similarity, searched top-down by the step's query heads (paper, section 4)."""
+keys clustered by similarity, searched top-down by the step's query heads (paper, section 4).
+
+With ``token_pick`` (``IceSpec.token_pick`` = m >= 2) the tree's pages are candidates, not the
+answer: the search selects m times the budget in pages, the group's attention weights over their
+keys are computed exactly (the tree holds the keys), and the budget's best tokens are packed into
+pages of their own (:class:`~.tokens.TokenPages`), which the pool loads. The budget still counts
+tokens; only the rows that hold the group's attention take pool space.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ import numpy as np
 from ...index import DCITree
 from ...index.walk import select_layer
 from .base import HeadIndexes, register
+from .tokens import TokenPages, group_weights, top_tokens
 
 # A layer's KV heads queried by one parallel numba call (index.walk.select_layer); 0: one by one.
 PARALLEL_HEADS = os.environ.get("ICECACHE_PARALLEL_HEADS", "1") != "0"
@@ -17,11 +25,72 @@ PARALLEL_HEADS = os.environ.get("ICECACHE_PARALLEL_HEADS", "1") != "0"
 
 @register("dci")
 class DCISelector(HeadIndexes):
+    def __init__(self, spec):
+        super().__init__(spec)
+        self.picks: list[TokenPages] = []  # token_pick: the chosen tokens' pages per KV head
+
+    def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
+        super().build(prompt_keys, lo, hi, capacity, middle)
+        self.picks = []  # a new index, a new pool: no token chosen yet
+
     def new_index(self, head: int, capacity: int) -> DCITree:
         return DCITree(self.head_dim, self.spec.index, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        m = self.spec.token_pick
+        pages = self.select_pages(queries, m * max_pages if m >= 2 else max_pages, wide)
+        if m < 2:
+            return pages
+        take = max_pages * self.spec.page_size
+        return [self.pick(h, queries[h], pages[h], take, max_pages) for h in range(len(self.indexes))]
+
+    def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """The tree's own pages: per KV head at most ``max_pages``, GQA-merged."""
         k = max_pages * self.spec.page_size
         if not PARALLEL_HEADS:
             return [index.select_group(queries[h], k, max_pages, wide) for h, index in enumerate(self.indexes)]
         return select_layer(self.indexes, queries, k, max_pages, wide)
+
+    def pick(self, head: int, queries: np.ndarray, pages: np.ndarray, take: int, max_pages: int) -> np.ndarray:
+        """:func:`pick_tokens` of KV head ``head`` as page ids of its pick table (at most
+        ``max_pages``)."""
+        rows = pick_tokens(self.indexes[head], queries, pages, take)
+        table = self.pick_table(head, max_pages)
+        chosen = table.choose(rows)
+        if len(chosen) > max_pages:  # kept slots spread over more pages than this step may use
+            table.clear()
+            chosen = table.choose(rows)
+        return chosen
+
+    def pick_table(self, head: int, pages: int) -> TokenPages:
+        """Head ``head``'s pick table, with room for at least ``pages`` pages."""
+        while len(self.picks) <= head:
+            self.picks.append(TokenPages(self.spec.page_size, max(1, self.spec.pool_pages)))
+        if self.picks[head].npages < pages:
+            self.picks[head] = self.picks[head].grown(pages)
+        return self.picks[head]
+
+    def page_table(self, head: int):
+        if self.spec.token_pick >= 2:
+            return self.picks[head].table()
+        return super().page_table(head)
+
+    def release(self) -> None:
+        super().release()
+        self.picks = []
+
+
+def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
+    """The point ids (host rows) held by the tree's pages ``pages``."""
+    members = tree.members[pages]
+    return members[np.arange(members.shape[1]) < tree.count[pages][:, None]]
+
+
+def pick_tokens(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
+    """The ``take`` members of ``pages`` with the most of the group's attention: each query's
+    (G, d) softmax over the candidates' keys, summed over the group (all when they fit)."""
+    rows = page_members(tree, pages)
+    if len(rows) <= take:
+        return rows
+    keys = tree.rows(rows)[:, : tree.d]
+    return rows[top_tokens(group_weights(queries, keys, tree.d ** -0.5), take)]

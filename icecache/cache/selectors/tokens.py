@@ -56,6 +56,19 @@ class TokenPages:
         self.version[changed] += 1
         return np.flatnonzero(self.count > 0).astype(np.int32)
 
+    def clear(self) -> None:
+        """Choose nothing (the pages that held tokens get new versions)."""
+        self.version[self.count > 0] += 1
+        self.members[:] = -1
+        self.count[:] = 0
+
+    def grown(self, pages: int) -> TokenPages:
+        """An empty table of ``pages`` pages whose versions are all above this one's (so that no
+        pool slot mistakes one of its pages for a page loaded before)."""
+        out = TokenPages(self.S, pages)
+        out.version[:] = int(self.version.max(initial=0)) + 1
+        return out
+
     def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.members, self.count, self.version
 
