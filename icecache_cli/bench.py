@@ -291,12 +291,13 @@ def print_table(s: dict) -> None:
     t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, "
                 f"{s['config']['pages']} pages, {s['config']['merge']} merge, "
                 f"refine {s['config']['refine']}", box=None)
-    t.add_column("budget")
-    methods = list(next(iter(s["attention_mass_by_budget"].values())))
-    for m in methods:
-        t.add_column(f"mass {m}")
-    for b, d in s["attention_mass_by_budget"].items():
-        t.add_row(b, *(f"{d[m]:.3f}" for m in methods))
+    # one row per selection, one column per budget: the table stays narrow as methods are added
+    t.add_column("attention mass")
+    by_budget = s["attention_mass_by_budget"]
+    for b in by_budget:
+        t.add_column(f"budget {b}", justify="right")
+    for m in next(iter(by_budget.values())):
+        t.add_row(m, *(f"{by_budget[b][m]:.3f}" for b in by_budget))
     stderr.print(t)
     q = s["query_us_per_head"]
     stderr.print(
