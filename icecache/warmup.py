@@ -42,8 +42,9 @@ def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None
 
 
 def compile_cache() -> None:
-    """The cache's own kernels: the page-load plan and the dense decode scores."""
-    from .cache.kernels import dense_scores, plan_head
+    """The cache's own kernels: the page-load plan, the dense decode scores and token_pick's
+    choice (the pick and the packing of the chosen tokens into pages)."""
+    from .cache.kernels import choose_tokens, dense_scores, pick_rows, plan_head
 
     S, P = 4, 2
     members = np.arange(16, dtype=np.int32).reshape(4, S)
@@ -53,6 +54,11 @@ def compile_cache() -> None:
               np.empty(8, np.int64), 0)
     dense_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32), 16,
                  np.empty((2, 3, 16), np.float32))
+    px = np.zeros((4, S, 9), np.float32)
+    pick_rows(px, members, np.full(4, S, np.int32), np.arange(4, dtype=np.int64),
+              np.ones((3, 8), np.float32), 6, 0.35)
+    choose_tokens(np.full((P, S), -1, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int64),
+                  np.arange(5, dtype=np.int32))
 
 
 def main() -> None:

@@ -400,3 +400,41 @@ def test_token_pick_pool_holds_the_picked_rows():
         np.testing.assert_array_equal(np.sort(held), rows)
         torch.testing.assert_close(r.keys[h, pool][torch.from_numpy(valid)],
                                    layer.store.keys[h, torch.from_numpy(held)].to(r.keys.dtype))
+
+
+def test_pick_kernel_equals_the_numpy_reference():
+    """``picked`` (numba) against ``pick_tokens`` (NumPy) on a real tree, several takes."""
+    from icecache.cache.selectors.dci import pick_tokens, picked
+    from icecache.index import DCITree
+
+    rng = np.random.default_rng(11)
+    d = 16
+    tree = DCITree(d, IndexConfig(page_size=4, ratio_bottom=0.1), capacity=800)
+    tree.insert(rng.normal(size=(700, d)).astype(np.float32))
+    for _ in range(25):
+        tree.insert(rng.normal(size=(4, d)).astype(np.float32))
+    for _ in range(20):
+        q = (rng.normal(size=(3, d)) * 2).astype(np.float32)
+        pages = tree.select_group(q, 160, 40)
+        for take in (8, 50, 10_000):
+            want = pick_tokens(tree, q, pages, take)
+            np.testing.assert_array_equal(picked(tree, q, pages, take), want)
+            assert len(want) == min(take, int(tree.count[pages].sum()))
+
+
+def test_choose_kernel_equals_the_numpy_reference():
+    """``TokenPages.choose`` (numba) against ``choose_reference`` over random choice sequences:
+    the same members, counts, versions and page ids at every step."""
+    from icecache.cache.selectors.tokens import TokenPages
+
+    rng = np.random.default_rng(12)
+    fast, ref = TokenPages(4, 6), TokenPages(4, 6)
+    for _ in range(200):
+        tokens = rng.choice(40, size=int(rng.integers(0, 25)), replace=False)
+        a, b = fast.choose(tokens), ref.choose_reference(tokens)
+        np.testing.assert_array_equal(a, b)
+        for x, y in zip(fast.table(), ref.table(), strict=True):
+            np.testing.assert_array_equal(x, y)
+        assert sorted(fast.tokens().tolist()) == sorted(tokens.tolist())
+    with pytest.raises(ValueError, match="do not fit"):
+        fast.choose(np.arange(25))

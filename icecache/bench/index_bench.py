@@ -96,7 +96,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
               sink_pages: int, window_pages: int, cfg: IndexConfig, picks: tuple[int, ...] = ()) -> None:
     """keys (kv_heads, n, d), queries (heads, steps, d) of one layer; ``picks``: the
     ``token_pick`` multiples measured beside the pages (``ice_pickM``)."""
-    from icecache.cache.selectors.dci import pick_tokens
+    from icecache.cache.selectors.dci import picked
 
     kv_heads, n, d = keys.shape
     heads, steps, _ = queries.shape
@@ -158,10 +158,10 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
             for budget in res.budgets:
                 P = budget // page_size
                 table = res.mass.setdefault(budget, {m: [] for m in METHODS})
-                picked = {}
+                by_pick = {}
                 for m in picks:
-                    rows = pick_tokens(tree, qs, tree.select_group(qs, m * budget, m * P), budget)
-                    picked[f"ice_pick{m}"] = mid[rows]
+                    rows = picked(tree, qs, tree.select_group(qs, m * budget, m * P), budget)
+                    by_pick[f"ice_pick{m}"] = mid[rows]
                     table.setdefault(f"ice_pick{m}", [])
                 group_w = sum(p[mid] for p in probs)
                 exact_gqa_tok = mid[np.argsort(-group_w, kind="stable")[:budget]]
@@ -195,7 +195,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     table["ice_gqa"].append(_mass(p, fixed, gqa_tok))
                     table["oracle_gqa"].append(_mass(p, fixed, oracle_gqa_tok))
                     table["exact_gqa"].append(_mass(p, fixed, exact_gqa_tok))
-                    for name, tok in picked.items():
+                    for name, tok in by_pick.items():
                         table[name].append(_mass(p, fixed, tok))
                     for name, g in groupings.items():
                         table[name].append(_mass(p, fixed, mid[np.isin(g, chosen[name][r])]))

@@ -126,3 +126,134 @@ def dense_scores(q, k, n, out):
     for b in prange(nb * H):
         h, part = b // nb, b % nb
         _score_rows(q, k, h, part * step, min(n, (part + 1) * step), out)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _dot(a, b):
+    acc = np.float32(0.0)
+    for c in range(a.shape[0]):
+        acc += a[c] * b[c]
+    return acc
+
+
+@njit(nogil=True, cache=True)
+def pick_rows(PX, members, count, pages, queries, take, scale):
+    """``token_pick``'s choice for one KV head: the ``take`` members of the tree's ``pages``
+    (``PX``: the tree's page-major keys, the key in the first ``d`` columns) with the largest
+    group weight (each query's softmax over the candidates, summed over the group's
+    ``queries`` (G, d)), in candidate order; all candidates when they fit.
+    Reference: :func:`icecache.cache.selectors.dci.pick_tokens`."""
+    G, d = queries.shape
+    n = 0
+    for i in range(pages.shape[0]):
+        n += count[pages[i]]
+    rows = np.empty(n, np.int32)
+    j = 0
+    for i in range(pages.shape[0]):
+        p = pages[i]
+        for s in range(count[p]):
+            rows[j] = members[p, s]
+            j += 1
+    if n <= take:
+        return rows
+    score = np.empty((G, n), np.float32)
+    j = 0
+    for i in range(pages.shape[0]):  # each candidate's key read once, for the whole group
+        p = pages[i]
+        for s in range(count[p]):
+            key = PX[p, s, :d]
+            for g in range(G):
+                score[g, j] = _dot(queries[g], key) * scale
+            j += 1
+    weight = np.zeros(n, np.float64)
+    for g in range(G):
+        best = score[g].max()
+        total = 0.0
+        e = np.empty(n, np.float64)
+        for j in range(n):
+            e[j] = np.exp(np.float64(score[g, j]) - best)
+            total += e[j]
+        for j in range(n):
+            weight[j] += e[j] / total
+    thr = np.partition(weight, n - take)[n - take]  # the take-th largest weight
+    above = 0
+    for j in range(n):
+        if weight[j] > thr:
+            above += 1
+    ties = take - above  # of the weights equal to it, the earliest candidates
+    out = np.empty(take, np.int32)
+    c = 0
+    for j in range(n):
+        if weight[j] > thr or (weight[j] == thr and ties > 0):
+            if weight[j] == thr:
+                ties -= 1
+            out[c] = rows[j]
+            c += 1
+    return out
+
+
+@njit(nogil=True, cache=True)
+def choose_tokens(members, count, version, tokens):
+    """:meth:`TokenPages.choose <icecache.cache.selectors.tokens.TokenPages.choose>` in one
+    pass: make the distinct host rows ``tokens`` the chosen set of the page table
+    ``members``/``count``/``version`` (updated in place): a token that stays keeps its slot, one
+    that leaves frees it, new ones fill the free slots in the order given, changed pages are packed and get
+    a new version. Returns the ids of the pages holding tokens.
+    Reference: ``TokenPages.choose_reference``."""
+    P, S = members.shape
+    want = np.sort(tokens)
+    changed = np.zeros(P, np.bool_)
+    stay = np.empty(P * S, np.int64)
+    ns = 0
+    for p in range(P):
+        for s in range(S):
+            m = members[p, s]
+            if m < 0:
+                continue
+            k = np.searchsorted(want, m)
+            if k < want.shape[0] and want[k] == m:
+                stay[ns] = m
+                ns += 1
+            else:
+                members[p, s] = -1
+                changed[p] = True
+    kept = np.sort(stay[:ns])
+    t = 0
+    for p in range(P):
+        for s in range(S):
+            if members[p, s] >= 0:
+                continue
+            while t < tokens.shape[0]:  # the next wanted token (given order) not already held
+                k = np.searchsorted(kept, tokens[t])
+                if k < ns and kept[k] == tokens[t]:
+                    t += 1
+                else:
+                    break
+            if t == tokens.shape[0]:
+                break
+            members[p, s] = tokens[t]
+            changed[p] = True
+            t += 1
+    for p in range(P):
+        if not changed[p]:
+            continue
+        c = 0
+        for s in range(S):
+            if members[p, s] >= 0:
+                members[p, c] = members[p, s]
+                c += 1
+        for s in range(c, S):
+            members[p, s] = -1
+        count[p] = c
+        version[p] += 1
+    n = 0
+    for p in range(P):
+        if count[p] > 0:
+            n += 1
+    out = np.empty(n, np.int32)
+    n = 0
+    for p in range(P):
+        if count[p] > 0:
+            out[n] = p
+            n += 1
+    return out

@@ -16,6 +16,7 @@ import numpy as np
 
 from ...index import DCITree
 from ...index.walk import select_layer
+from ..kernels import pick_rows
 from .base import HeadIndexes, register
 from .tokens import TokenPages, group_weights, top_tokens
 
@@ -52,9 +53,9 @@ class DCISelector(HeadIndexes):
         return select_layer(self.indexes, queries, k, max_pages, wide)
 
     def pick(self, head: int, queries: np.ndarray, pages: np.ndarray, take: int, max_pages: int) -> np.ndarray:
-        """:func:`pick_tokens` of KV head ``head`` as page ids of its pick table (at most
+        """:func:`picked` of KV head ``head`` as page ids of its pick table (at most
         ``max_pages``)."""
-        rows = pick_tokens(self.indexes[head], queries, pages, take)
+        rows = picked(self.indexes[head], queries, pages, take)
         table = self.pick_table(head, max_pages)
         chosen = table.choose(rows)
         if len(chosen) > max_pages:  # kept slots spread over more pages than this step may use
@@ -86,9 +87,16 @@ def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
     return members[np.arange(members.shape[1]) < tree.count[pages][:, None]]
 
 
+def picked(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
+    """The ``take`` members of the tree's ``pages`` with the most of the group's attention:
+    each query's (G, d) softmax over the candidates' keys, summed over the group (all when they
+    fit), in candidate order. One numba pass (:func:`~..kernels.pick_rows`)."""
+    return pick_rows(tree.PX, tree.members, tree.count, np.asarray(pages, np.int64),
+                     np.ascontiguousarray(queries, np.float32), take, float(tree.d) ** -0.5)
+
+
 def pick_tokens(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
-    """The ``take`` members of ``pages`` with the most of the group's attention: each query's
-    (G, d) softmax over the candidates' keys, summed over the group (all when they fit)."""
+    """NumPy reference of :func:`picked` (the same contract, tested equal)."""
     rows = page_members(tree, pages)
     if len(rows) <= take:
         return rows

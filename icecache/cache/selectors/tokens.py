@@ -34,7 +34,16 @@ class TokenPages:
 
     def choose(self, tokens: np.ndarray) -> np.ndarray:
         """Make ``tokens`` (distinct host rows, at most ``capacity``) the chosen set; return
-        the ids of the pages holding them."""
+        the ids of the pages holding them (one numba pass, :func:`~..kernels.choose_tokens`)."""
+        from ..kernels import choose_tokens
+
+        tokens = np.asarray(tokens, np.int32)
+        if len(tokens) > self.capacity:
+            raise ValueError(f"{len(tokens)} tokens do not fit {self.npages} pages of {self.S}")
+        return choose_tokens(self.members, self.count, self.version, tokens)
+
+    def choose_reference(self, tokens: np.ndarray) -> np.ndarray:
+        """NumPy reference of :meth:`choose` (the same contract, tested equal)."""
         tokens = np.asarray(tokens, np.int32)
         if len(tokens) > self.capacity:
             raise ValueError(f"{len(tokens)} tokens do not fit {self.npages} pages of {self.S}")
