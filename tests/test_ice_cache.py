@@ -438,3 +438,24 @@ def test_choose_kernel_equals_the_numpy_reference():
         assert sorted(fast.tokens().tolist()) == sorted(tokens.tolist())
     with pytest.raises(ValueError, match="do not fit"):
         fast.choose(np.arange(25))
+
+
+def test_token_pick_chunks_take_whole_tree_pages():
+    """A sparse-prefill chunk's choice under token_pick is the tree's own pages (their members
+    through the pick table), not picked tokens."""
+    from icecache.cache.selectors import make_selector
+    from icecache.cache.selectors.dci import page_members
+
+    rng = np.random.default_rng(8)
+    S, H, G, d, n = 4, 2, 3, 16, 500
+    s = IceSpec(page_size=S, budget_pages=6, index=IndexConfig(page_size=S, ratio_bottom=0.1),
+                token_pick=3, sparse_prefill=True, prefill_pages=10)
+    sel = make_selector(s)
+    sel.build(torch.from_numpy(rng.normal(size=(H, n, d)).astype(np.float32)), 0, n, n + 64)
+    for _ in range(4):
+        q = rng.normal(size=(H, G * 4, d)).astype(np.float32)
+        pages = sel.select_pages(q, 10)
+        got = sel.select_chunk(q, 10)
+        for h in range(H):
+            np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
+                                          np.sort(page_members(sel.indexes[h], pages[h])))

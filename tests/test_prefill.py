@@ -87,8 +87,9 @@ def test_prefill_finalizes_at_end_of_prefill_and_decodes_like_full():
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,kv_heads,reuse", [("llama", 2, 1), ("llama", 2, 2), ("qwen2", 1, 1)])
-def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reuse):
+@pytest.mark.parametrize("arch,kv_heads,reuse,pick", [("llama", 2, 1, 0), ("llama", 2, 2, 0), ("qwen2", 1, 1, 0),
+                                                     ("llama", 2, 1, 4)])
+def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reuse, pick):
     """Each chunk selects pages; with room for every page and a dense window over the whole
     prompt, sparse prefill computes what full attention computes, through decode evictions."""
     model = tiny_model(arch, kv_heads)
@@ -96,7 +97,7 @@ def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reu
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
     ref = chunked(model, full_cache(model), prompt, forced, chunk=64)
     s = dataclasses.replace(spec(budget_pages=256), sparse_prefill=True, prefill_pages=256,
-                            chunk_tokens=64, dense_window=4096)
+                            chunk_tokens=64, dense_window=4096, token_pick=pick)
     s = dataclasses.replace(s, index=dataclasses.replace(s.index, beam=100_000))
     cache = ice(model, s, reuse=reuse)
     got = chunked(model, cache, prompt, forced, chunk=64)
@@ -233,9 +234,9 @@ def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
                      f"{loaded.context_length} trained)"]
 
 
-@pytest.mark.parametrize("method,positions", [("ice", "true"), ("ice", "remap"),
-                                              pytest.param("ice-reuse", "true", marks=pytest.mark.slow)])
-def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions):
+@pytest.mark.parametrize("method,positions,pick", [("ice", "true", 0), ("ice", "remap", 0), ("ice", "remap", 4),
+                                                   pytest.param("ice-reuse", "true", 0, marks=pytest.mark.slow)])
+def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions, pick):
     """One sparse prefill, forked to other budgets (what eval does per case): each fork's greedy
     tokens equal those of a session that prefilled with that budget itself, and the forks do not
     disturb the prefilled session or each other."""
@@ -245,7 +246,7 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
     tok = loaded.tokenizer
     ids = tok(generated_text(900, seed=11))["input_ids"][:1400]
     base = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256, dense_window=512,
-                                positions=positions)
+                                positions=positions, token_pick=pick)
     want = {}
     for budget in (32, 128):
         s = Session(loaded, base.replace(budget=budget), method)

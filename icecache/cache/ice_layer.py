@@ -321,7 +321,7 @@ class IceLayer(CacheLayerMixin):
             pages_at = self.length - r.window_fill - 1  # the pages end just before the window
             true = torch.from_numpy(at) + (self.length - C)
             sel = self.remap.frame.rotate(sel, true, true - pages_at)
-        self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages)
+        self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages, chunk=True)
         self.load()
         k, v, valid = r.tensors()
         if self.remap is not None:
@@ -352,10 +352,11 @@ class IceLayer(CacheLayerMixin):
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
-    def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0) -> None:
+    def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0, chunk: bool = False) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *
         positions, grouped by KV head); sets ``selected`` (at most ``pages`` pages per KV head;
-        default: the budget). ``wide``: the search covers at least this share of the keys."""
+        default: the budget). ``wide``: the search covers at least this share of the keys.
+        ``chunk``: for a sparse-prefill chunk (a selector's ``select_chunk`` if it has one)."""
         P = self.spec.budget_pages if pages is None else pages
         self.wait()
         if self.anchor is not None:
@@ -365,8 +366,11 @@ class IceLayer(CacheLayerMixin):
         if P == 0 or self.spec.budget_pages == 0:
             return  # streaming: sink and window only
         t0 = time.perf_counter()
-        qn = q.detach().float().cpu().numpy()
-        self.selected = self.selector.select(qn.reshape(self.heads, q.shape[0] // self.heads, -1), P, wide)
+        qn = q.detach().float().cpu().numpy().reshape(self.heads, q.shape[0] // self.heads, -1)
+        if chunk and hasattr(self.selector, "select_chunk"):
+            self.selected = self.selector.select_chunk(qn, P)
+        else:
+            self.selected = self.selector.select(qn, P, wide)
         self.stats.query_s += time.perf_counter() - t0
 
     def load(self) -> None:

@@ -5,7 +5,9 @@ With ``token_pick`` (``IceSpec.token_pick`` = m >= 2) the tree's pages are candi
 answer: the search selects m times the budget in pages, the group's attention weights over their
 keys are computed exactly (the tree holds the keys), and the budget's best tokens are packed into
 pages of their own (:class:`~.tokens.TokenPages`), which the pool loads. The budget still counts
-tokens; only the rows that hold the group's attention take pool space.
+tokens; only the rows that hold the group's attention take pool space. That is for the steps
+that choose for themselves (decode steps, the prompt's last steps); a sparse-prefill chunk, where
+a few positions choose for all of them, keeps the tree's whole pages (:meth:`select_chunk`).
 """
 
 from __future__ import annotations
@@ -45,6 +47,16 @@ class DCISelector(HeadIndexes):
         take = max_pages * self.spec.page_size
         return [self.pick(h, queries[h], pages[h], take, max_pages) for h in range(len(self.indexes))]
 
+    def select_chunk(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
+        """A sparse-prefill chunk's choice: the tree's whole pages even with ``token_pick``
+        (then packed into the pick tables, so that one page table serves every step). A few of
+        the chunk's positions choose for all of its 2048: tokens picked for those few lost a 16k
+        passkey that whole pages kept (docs/results.md, session 18)."""
+        pages = self.select_pages(queries, max_pages)
+        if self.spec.token_pick < 2:
+            return pages
+        return [self.as_picks(h, page_members(tree, pages[h]), max_pages) for h, tree in enumerate(self.indexes)]
+
     def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """The tree's own pages: per KV head at most ``max_pages``, GQA-merged."""
         k = max_pages * self.spec.page_size
@@ -55,7 +67,11 @@ class DCISelector(HeadIndexes):
     def pick(self, head: int, queries: np.ndarray, pages: np.ndarray, take: int, max_pages: int) -> np.ndarray:
         """:func:`picked` of KV head ``head`` as page ids of its pick table (at most
         ``max_pages``)."""
-        rows = picked(self.indexes[head], queries, pages, take)
+        return self.as_picks(head, picked(self.indexes[head], queries, pages, take), max_pages)
+
+    def as_picks(self, head: int, rows: np.ndarray, max_pages: int) -> np.ndarray:
+        """Make host ``rows`` (at most ``max_pages`` pages' worth) head ``head``'s chosen tokens;
+        the ids of the pick table's pages holding them."""
         table = self.pick_table(head, max_pages)
         chosen = table.choose(rows)
         if len(chosen) > max_pages:  # kept slots spread over more pages than this step may use
