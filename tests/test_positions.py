@@ -252,10 +252,10 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     wides = []  # (layer, query rows, wide)
     real_select = IceLayer.select
 
-    def spy(layer, q, pages=None, wide=0.0):
+    def spy(layer, q, pages=None, wide=0.0, chunk=False):
         asked.append((layer.layer_idx, q.shape[0], layer.spec.budget_pages if pages is None else pages))
         wides.append((layer.layer_idx, q.shape[0], wide))
-        return real_select(layer, q, pages, wide)
+        return real_select(layer, q, pages, wide, chunk)
 
     monkeypatch.setattr(IceLayer, "select", spy)
 
