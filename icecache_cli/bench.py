@@ -252,18 +252,9 @@ def index(
         for m in merges:
             if m not in MERGES:
                 raise UsageError(f"--merge: '{m}' is not one of {', '.join(MERGES)}")
-        try:
-            refines = [int(r) for r in refine.split(",") if r.strip()]
-        except ValueError:
-            raise UsageError(f"--refine: '{refine}' is not whole numbers, comma-separated") from None
-        if not refines or any(not 0 <= r <= 10 for r in refines):
-            raise UsageError("--refine: each value must be from 0 to 10")
-        try:
-            picks = tuple(int(m) for m in pick.split(",") if m.strip() and int(m) != 0)
-        except ValueError:
-            raise UsageError(f"--pick: '{pick}' is not whole numbers, comma-separated") from None
-        if any(not 2 <= m <= 16 for m in picks):
-            raise UsageError("--pick: each value must be 0 or from 2 to 16")
+        refines = parse_whole_numbers(refine, "--refine", lambda r: 0 <= r <= 10, "from 0 to 10")
+        picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
+                                                     "0 or from 2 to 16") if m)
         configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m, refine=r)
                    for p in modes for m in merges for r in refines]
         for n in sizes:
@@ -417,6 +408,17 @@ def prefill(
                         markup=False)
         if as_json:
             emit(json.dumps({"results": results}))
+
+
+def parse_whole_numbers(text: str, flag: str, ok, allowed: str) -> list[int]:
+    """A flag's comma-separated whole numbers, each passing ``ok`` (``allowed`` says which)."""
+    try:
+        values = [int(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+        raise UsageError(f"{flag}: '{text}' is not whole numbers, comma-separated") from None
+    if not values or not all(ok(v) for v in values):
+        raise UsageError(f"{flag}: each value must be {allowed}")
+    return values
 
 
 def split_methods(text: str) -> list[str]:

@@ -173,9 +173,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     oracle.append(live[np.argsort(-best[live], kind="stable")][:P])
                 merged = tree.select_group(qs, budget, P)  # the cache's own selection
                 gqa_tok = mid[np.isin(page_of, merged)]
-                group_mass = np.zeros(tree.npages)
-                for p in probs:
-                    np.add.at(group_mass, page_of, p[mid])
+                group_mass = np.bincount(page_of, weights=group_w, minlength=tree.npages)
                 best_group = live[np.argsort(-group_mass[live], kind="stable")][:P]
                 oracle_gqa_tok = mid[np.isin(page_of, best_group)]
                 chosen = {name: [groupings_mod.oracle_pages(g, sc, P) for sc in exact_scores]

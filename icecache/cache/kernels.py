@@ -166,10 +166,10 @@ def pick_rows(PX, members, count, pages, queries, take, scale):
                 score[g, j] = _dot(queries[g], key) * scale
             j += 1
     weight = np.zeros(n, np.float64)
+    e = np.empty(n, np.float64)
     for g in range(G):
         best = score[g].max()
         total = 0.0
-        e = np.empty(n, np.float64)
         for j in range(n):
             e[j] = np.exp(np.float64(score[g, j]) - best)
             total += e[j]

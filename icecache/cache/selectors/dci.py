@@ -32,20 +32,27 @@ class DCISelector(HeadIndexes):
         super().__init__(spec)
         self.picks: list[TokenPages] = []  # token_pick: the chosen tokens' pages per KV head
 
+    @property
+    def picking(self) -> bool:
+        return self.spec.token_pick > 0  # validated: 0 (off) or 2 and more
+
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
         super().build(prompt_keys, lo, hi, capacity, middle)
-        self.picks = []  # a new index, a new pool: no token chosen yet
+        # a new index, a new pool: no token chosen yet; a table holds the largest selection
+        # any step makes (the pool's size), as a token selector's does
+        pages = max(1, self.spec.pool_pages)
+        self.picks = [TokenPages(self.spec.page_size, pages) for _ in self.indexes] if self.picking else []
 
     def new_index(self, head: int, capacity: int) -> DCITree:
         return DCITree(self.head_dim, self.spec.index, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
-        m = self.spec.token_pick
-        pages = self.select_pages(queries, m * max_pages if m >= 2 else max_pages, wide)
-        if m < 2:
-            return pages
+        if not self.picking:
+            return self.select_pages(queries, max_pages, wide)
+        pages = self.select_pages(queries, self.spec.token_pick * max_pages, wide)
         take = max_pages * self.spec.page_size
-        return [self.pick(h, queries[h], pages[h], take, max_pages) for h in range(len(self.indexes))]
+        return [self.as_picks(h, picked(tree, queries[h], pages[h], take), max_pages)
+                for h, tree in enumerate(self.indexes)]
 
     def select_chunk(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
         """A sparse-prefill chunk's choice: the tree's whole pages even with ``token_pick``
@@ -53,7 +60,7 @@ class DCISelector(HeadIndexes):
         the chunk's positions choose for all of its 2048: tokens picked for those few lost a 16k
         passkey that whole pages kept (docs/results.md, session 18)."""
         pages = self.select_pages(queries, max_pages)
-        if self.spec.token_pick < 2:
+        if not self.picking:
             return pages
         return [self.as_picks(h, page_members(tree, pages[h]), max_pages) for h, tree in enumerate(self.indexes)]
 
@@ -64,31 +71,18 @@ class DCISelector(HeadIndexes):
             return [index.select_group(queries[h], k, max_pages, wide) for h, index in enumerate(self.indexes)]
         return select_layer(self.indexes, queries, k, max_pages, wide)
 
-    def pick(self, head: int, queries: np.ndarray, pages: np.ndarray, take: int, max_pages: int) -> np.ndarray:
-        """:func:`picked` of KV head ``head`` as page ids of its pick table (at most
-        ``max_pages``)."""
-        return self.as_picks(head, picked(self.indexes[head], queries, pages, take), max_pages)
-
     def as_picks(self, head: int, rows: np.ndarray, max_pages: int) -> np.ndarray:
         """Make host ``rows`` (at most ``max_pages`` pages' worth) head ``head``'s chosen tokens;
         the ids of the pick table's pages holding them."""
-        table = self.pick_table(head, max_pages)
+        table = self.picks[head]
         chosen = table.choose(rows)
         if len(chosen) > max_pages:  # kept slots spread over more pages than this step may use
             table.clear()
             chosen = table.choose(rows)
         return chosen
 
-    def pick_table(self, head: int, pages: int) -> TokenPages:
-        """Head ``head``'s pick table, with room for at least ``pages`` pages."""
-        while len(self.picks) <= head:
-            self.picks.append(TokenPages(self.spec.page_size, max(1, self.spec.pool_pages)))
-        if self.picks[head].npages < pages:
-            self.picks[head] = self.picks[head].grown(pages)
-        return self.picks[head]
-
     def page_table(self, head: int):
-        if self.spec.token_pick >= 2:
+        if self.picking:
             return self.picks[head].table()
         return super().page_table(head)
 

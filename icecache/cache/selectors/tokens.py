@@ -13,6 +13,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..kernels import choose_tokens
+
 
 class TokenPages:
     """One KV head's chosen tokens as at most ``pages`` pages of ``page_size`` host rows."""
@@ -35,8 +37,6 @@ class TokenPages:
     def choose(self, tokens: np.ndarray) -> np.ndarray:
         """Make ``tokens`` (distinct host rows, at most ``capacity``) the chosen set; return
         the ids of the pages holding them (one numba pass, :func:`~..kernels.choose_tokens`)."""
-        from ..kernels import choose_tokens
-
         tokens = np.asarray(tokens, np.int32)
         if len(tokens) > self.capacity:
             raise ValueError(f"{len(tokens)} tokens do not fit {self.npages} pages of {self.S}")
@@ -70,13 +70,6 @@ class TokenPages:
         self.version[self.count > 0] += 1
         self.members[:] = -1
         self.count[:] = 0
-
-    def grown(self, pages: int) -> TokenPages:
-        """An empty table of ``pages`` pages whose versions are all above this one's (so that no
-        pool slot mistakes one of its pages for a page loaded before)."""
-        out = TokenPages(self.S, pages)
-        out.version[:] = int(self.version.max(initial=0)) + 1
-        return out
 
     def table(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         return self.members, self.count, self.version
