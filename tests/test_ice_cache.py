@@ -440,9 +440,10 @@ def test_choose_kernel_equals_the_numpy_reference():
         fast.choose(np.arange(25))
 
 
-def test_token_pick_chunks_take_whole_tree_pages():
-    """A sparse-prefill chunk's choice under token_pick is the tree's own pages (their members
-    through the pick table), not picked tokens."""
+def test_token_pick_prefill_takes_whole_tree_pages():
+    """A sparse prefill's choice (a chunk, a prompt-end step) under token_pick is the tree's own
+    pages (their members through the pick table), not picked tokens; a step's own search width
+    is kept."""
     from icecache.cache.selectors import make_selector
     from icecache.cache.selectors.dci import page_members
 
@@ -455,7 +456,12 @@ def test_token_pick_chunks_take_whole_tree_pages():
     for _ in range(4):
         q = rng.normal(size=(H, G * 4, d)).astype(np.float32)
         pages = sel.select_pages(q, 10)
-        got = sel.select_chunk(q, 10)
+        got = sel.select_prefill(q, 10)
         for h in range(H):
             np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
                                           np.sort(page_members(sel.indexes[h], pages[h])))
+        wide = sel.select_pages(q, 10, 1.0)
+        got = sel.select_prefill(q, 10, 1.0)
+        for h in range(H):
+            np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
+                                          np.sort(page_members(sel.indexes[h], wide[h])))

@@ -250,12 +250,14 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
 
     asked = []  # (layer, query rows, pages) of every selection
     wides = []  # (layer, query rows, wide)
+    flags = []  # (layer, prefill): the sparse prefill's choices (chunks and tail) vs decode steps'
     real_select = IceLayer.select
 
-    def spy(layer, q, pages=None, wide=0.0, chunk=False):
+    def spy(layer, q, pages=None, wide=0.0, prefill=False):
+        flags.append((layer.layer_idx, prefill))
         asked.append((layer.layer_idx, q.shape[0], layer.spec.budget_pages if pages is None else pages))
         wides.append((layer.layer_idx, q.shape[0], wide))
-        return real_select(layer, q, pages, wide, chunk)
+        return real_select(layer, q, pages, wide, prefill)
 
     monkeypatch.setattr(IceLayer, "select", spy)
 
@@ -279,10 +281,12 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     # the tail's searches cover every key (tail_beam_frac 1); the chunks' use the beam
     assert [w for layer, rows, w in wides if layer == first and rows == heads] == [1.0] * steps
     assert {w for layer, rows, w in wides if rows != heads} == {0.0}
+    assert {f for layer, f in flags} == {True}  # chunks and tail steps choose as a prefill
     s.decode(logits, 3)
     decoded = [pages for layer, _, pages in asked if layer == first][len(mine):]
     assert decoded and decoded == [64 // 16] * len(decoded)  # generated tokens: the budget
     assert [w for layer, _, w in wides if layer == first][len(mine):] == [0.0] * len(decoded)
+    assert [f for layer, f in flags if layer == first][len(mine):] == [False] * len(decoded)
     held = Session(loaded, settings, "ice")
     held.new_tokens = 4
     assert held.prefill(ids, hold_tail=True)[0] is None and len(held.cached_ids) == len(ids) - steps

@@ -271,12 +271,14 @@ class IceLayer(CacheLayerMixin):
         pages = self.step_pages()
         # a prompt-end step searches (at least) tail_beam_frac of the keys: its pages decide
         # the first answer token (docs/results.md, session 11: a 64k passkey the beam missed)
-        wide = self.spec.tail_beam_frac if self.in_tail() else 0.0
+        tail = self.in_tail()
+        wide = self.spec.tail_beam_frac if tail else 0.0
         if self.remap is None:
-            self.select(query[:, 0], pages, wide)
+            self.select(query[:, 0], pages, wide, prefill=tail)
         else:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
-            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages, wide)
+            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages, wide,
+                        prefill=tail)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
@@ -321,7 +323,7 @@ class IceLayer(CacheLayerMixin):
             pages_at = self.length - r.window_fill - 1  # the pages end just before the window
             true = torch.from_numpy(at) + (self.length - C)
             sel = self.remap.frame.rotate(sel, true, true - pages_at)
-        self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages, chunk=True)
+        self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages, prefill=True)
         self.load()
         k, v, valid = r.tensors()
         if self.remap is not None:
@@ -352,11 +354,12 @@ class IceLayer(CacheLayerMixin):
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
-    def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0, chunk: bool = False) -> None:
+    def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0, prefill: bool = False) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *
         positions, grouped by KV head); sets ``selected`` (at most ``pages`` pages per KV head;
         default: the budget). ``wide``: the search covers at least this share of the keys.
-        ``chunk``: for a sparse-prefill chunk (a selector's ``select_chunk`` if it has one)."""
+        ``prefill``: for a sparse prefill (a chunk, or one of the prompt's last steps): a
+        selector's ``select_prefill`` if it has one."""
         P = self.spec.budget_pages if pages is None else pages
         self.wait()
         if self.anchor is not None:
@@ -367,8 +370,8 @@ class IceLayer(CacheLayerMixin):
             return  # streaming: sink and window only
         t0 = time.perf_counter()
         qn = q.detach().float().cpu().numpy().reshape(self.heads, q.shape[0] // self.heads, -1)
-        if chunk and hasattr(self.selector, "select_chunk"):
-            self.selected = self.selector.select_chunk(qn, P)
+        if prefill and hasattr(self.selector, "select_prefill"):
+            self.selected = self.selector.select_prefill(qn, P, wide)
         else:
             self.selected = self.selector.select(qn, P, wide)
         self.stats.query_s += time.perf_counter() - t0

@@ -60,9 +60,10 @@ class PageSelector(Protocol):
         ``wide``: an approximate search covers at least this share of the indexed keys (1: an
         exact search); exact selectors ignore it."""
 
-    # Optional: ``select_chunk(queries, max_pages) -> page ids``, the choice for a sparse-prefill
-    # chunk (queries of a few of its positions) when it differs from a step's (``dci`` with
-    # token_pick: whole pages for a chunk, picked tokens for a step); ``select`` otherwise.
+    # Optional: ``select_prefill(queries, max_pages, wide) -> page ids``, the choice for a sparse
+    # prefill (a chunk's few choosing positions, or one of the prompt's last steps) when it
+    # differs from a decode step's (``dci`` with token_pick: whole pages in the prefill, picked
+    # tokens after it); ``select`` otherwise.
 
     def page_table(self, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Head ``head``'s pages: members (pages, page_size) point ids, count (pages,), and

@@ -5,9 +5,10 @@ With ``token_pick`` (``IceSpec.token_pick`` = m >= 2) the tree's pages are candi
 answer: the search selects m times the budget in pages, the group's attention weights over their
 keys are computed exactly (the tree holds the keys), and the budget's best tokens are packed into
 pages of their own (:class:`~.tokens.TokenPages`), which the pool loads. The budget still counts
-tokens; only the rows that hold the group's attention take pool space. That is for the steps
-that choose for themselves (decode steps, the prompt's last steps); a sparse-prefill chunk, where
-a few positions choose for all of them, keeps the tree's whole pages (:meth:`select_chunk`).
+tokens; only the rows that hold the group's attention take pool space. That is for decode
+steps; a sparse prefill keeps the tree's whole pages (:meth:`select_prefill`): in its chunks, where
+a few positions choose for all of them, and in the prompt's last steps run as decode steps,
+whose last one gives the first answer token.
 """
 
 from __future__ import annotations
@@ -54,12 +55,14 @@ class DCISelector(HeadIndexes):
         return [self.as_picks(h, picked(tree, queries[h], pages[h], take), max_pages)
                 for h, tree in enumerate(self.indexes)]
 
-    def select_chunk(self, queries: np.ndarray, max_pages: int) -> list[np.ndarray]:
-        """A sparse-prefill chunk's choice: the tree's whole pages even with ``token_pick``
-        (then packed into the pick tables, so that one page table serves every step). A few of
-        the chunk's positions choose for all of its 2048: tokens picked for those few lost a 16k
-        passkey that whole pages kept (docs/results.md, session 18)."""
-        pages = self.select_pages(queries, max_pages)
+    def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """A sparse prefill's choice (a chunk, or one of the prompt's last steps): the tree's
+        whole pages even with ``token_pick`` (then packed into the pick tables, so that one page
+        table serves every step). Tokens picked for a chunk's few choosing positions lost 16k
+        passkeys that whole pages kept; picked at the prompt's last steps, they lost 32k and 64k
+        passkeys that pages there (and picks after them) found (docs/results.md, sessions 18
+        and 19)."""
+        pages = self.select_pages(queries, max_pages, wide)
         if not self.picking:
             return pages
         return [self.as_picks(h, page_members(tree, pages[h]), max_pages) for h, tree in enumerate(self.indexes)]
