@@ -273,12 +273,11 @@ class IceLayer(CacheLayerMixin):
         # the first answer token (docs/results.md, session 11: a 64k passkey the beam missed)
         tail = self.in_tail()
         wide = self.spec.tail_beam_frac if tail else 0.0
-        if self.remap is None:
-            self.select(query[:, 0], pages, wide, prefill=tail)
-        else:  # pages sit just beyond the window; their query selects (the index is position-free)
+        chooser = query[:, 0]
+        if self.remap is not None:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
-            self.select(self.remap.frame.rotate(query[:, 0], self.length - 1, page_distance), pages, wide,
-                        prefill=tail)
+            chooser = self.remap.frame.rotate(chooser, self.length - 1, page_distance)
+        self.select(chooser, pages, wide, prefill=tail)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
