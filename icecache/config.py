@@ -73,6 +73,10 @@ class Settings:
     # pick the budget's tokens (not whole pages): the index selects token_pick x the budget in
     # pages, and the tokens holding most of the group's attention among them are loaded (0: off)
     token_pick: int = 0
+    # decode steps that share one index search (1: every step searches): steps in between reuse
+    # its pages (with token_pick: its candidates, picked anew by each step's query) while the
+    # tree is unchanged
+    search_every: int = 1
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -184,6 +188,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_refine", "must be a whole number from 0 to 10")
     if s.token_pick != 0 and not 2 <= s.token_pick <= 16:
         raise bad("token_pick", "must be 0 (off) or a whole number from 2 to 16")
+    if not 1 <= s.search_every <= 16:
+        raise bad("search_every", "must be a whole number from 1 to 16")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

@@ -158,6 +158,7 @@ def ice_spec(settings: Settings, method: Method):
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
         token_pick=settings.token_pick,
+        search_every=settings.search_every,
         host_dtype=host_dtype(settings),
     )
 

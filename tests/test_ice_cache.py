@@ -465,3 +465,75 @@ def test_token_pick_prefill_takes_whole_tree_pages():
         for h in range(H):
             np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
                                           np.sort(page_members(sel.indexes[h], wide[h])))
+
+
+@pytest.mark.parametrize("pick", [0, 3])
+def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
+    """``search_every: r``: a decode step reuses the last search for at most r steps in a row; a
+    key insert, a prefill step or another request searches again. With ``token_pick`` each step
+    still picks its own tokens (by its own query) among the held candidates."""
+    from icecache.cache.selectors import make_selector
+    from icecache.cache.selectors.dci import page_members
+
+    rng = np.random.default_rng(9)
+    S, H, G, d, n = 4, 2, 3, 16, 500
+    s = IceSpec(page_size=S, budget_pages=5, index=IndexConfig(page_size=S, ratio_bottom=0.1),
+                token_pick=pick, search_every=3)
+    sel = make_selector(s)
+    keys = rng.normal(size=(H, n, d)).astype(np.float32)
+    sel.build(torch.from_numpy(keys), 0, n, n + 64)
+    searches = []
+    real = sel.select_pages
+
+    def counting(q, max_pages, wide=0.0):
+        searches.append(max_pages)
+        return real(q, max_pages, wide)
+
+    sel.select_pages = counting
+    per = max(1, pick)
+
+    def step(q):
+        got = sel.select(q, 5)
+        held = sel.held[1]
+        for h in range(H):
+            if not pick:
+                np.testing.assert_array_equal(got[h], held[h])
+                continue
+            rows = page_members(sel.indexes[h], held[h])
+            z = (q[h].astype(np.float64) @ sel.indexes[h].rows(rows)[:, :d].astype(np.float64).T) * d ** -0.5
+            w = np.exp(z - z.max(axis=1, keepdims=True))
+            w = (w / w.sum(axis=1, keepdims=True)).sum(axis=0)
+            want = np.sort(rows[np.argsort(-w, kind="stable")[: 5 * S]])
+            np.testing.assert_array_equal(picked_rows(sel, h, got[h]), want)
+        return got
+
+    qs = [rng.normal(size=(H, G, d)).astype(np.float32) * 2 for _ in range(12)]
+    stale = 0
+    for i, q in enumerate(qs[:7]):
+        step(q)
+        if i % 3:  # a reused step: would a search of its own have returned other pages?
+            stale += any(not np.array_equal(a, b) for a, b in zip(real(q, 5 * per), sel.held[1], strict=True))
+    assert len(searches) == 3  # steps 1, 4 and 7 searched
+    assert stale  # the reuse is real: held pages differ from the step's own search
+    sel.insert(torch.from_numpy(rng.normal(size=(H, S, d)).astype(np.float32)))
+    step(qs[7])
+    assert len(searches) == 4  # the tree changed
+    sel.select_prefill(qs[8], 5)
+    step(qs[9])
+    assert len(searches) == 6  # the prefill step searched, and the next decode step again
+    sel.select(qs[10], 4)
+    assert searches[-1] == 4 * per and len(searches) == 7  # another request is another search
+
+
+def test_search_every_covering_everything_equals_full():
+    """With room for every token, reusing searches (pages and picks) decodes like the dense cache."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(5)
+    prompt = rng.integers(0, 97, 150).tolist()
+    forced = rng.integers(0, 97, 30).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    for pick in (0, 4):
+        s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": 4})
+        got = run_steps(model, ice_cache(model, s), prompt, forced)
+        for a, b in zip(ref, got, strict=True):
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)

@@ -30,6 +30,7 @@ class IceSpec:
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     token_pick: int = 0  # dci: select token_pick x the pages, load the best tokens among them (0: off)
+    search_every: int = 1  # dci: a decode step reuses the last search for up to this many steps
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property

@@ -9,6 +9,11 @@ tokens; only the rows that hold the group's attention take pool space. That is f
 steps; a sparse prefill keeps the tree's whole pages (:meth:`select_prefill`): in its chunks, where
 a few positions choose for all of them, and in the prompt's last steps run as decode steps,
 whose last one gives the first answer token.
+
+With ``search_every`` (``IceSpec.search_every`` = r > 1) a decode step reuses the previous
+step's search result while the tree is unchanged, for at most r steps in a row: the same pages,
+or with ``token_pick`` the same candidate pages, among which the step's own query picks its
+tokens. A step that inserts keys into the tree, a prefill step and a new budget search again.
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ class DCISelector(HeadIndexes):
     def __init__(self, spec):
         super().__init__(spec)
         self.picks: list[TokenPages] = []  # token_pick: the chosen tokens' pages per KV head
+        self.held: tuple | None = None  # search_every: ((pages, wide), pages per KV head)
+        self.held_age = 0  # decode steps that used ``held``
 
     @property
     def picking(self) -> bool:
@@ -43,14 +50,19 @@ class DCISelector(HeadIndexes):
         # any step makes (the pool's size), as a token selector's does
         pages = max(1, self.spec.pool_pages)
         self.picks = [TokenPages(self.spec.page_size, pages) for _ in self.indexes] if self.picking else []
+        self.held = None
+
+    def insert(self, keys) -> None:
+        self.held = None  # new keys may belong in pages the held search did not return
+        super().insert(keys)
 
     def new_index(self, head: int, capacity: int) -> DCITree:
         return DCITree(self.head_dim, self.spec.index, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         if not self.picking:
-            return self.select_pages(queries, max_pages, wide)
-        pages = self.select_pages(queries, self.spec.token_pick * max_pages, wide)
+            return self.searched(queries, max_pages, wide)
+        pages = self.searched(queries, self.spec.token_pick * max_pages, wide)
         take = max_pages * self.spec.page_size
         return [self.as_picks(h, picked(tree, queries[h], pages[h], take), max_pages)
                 for h, tree in enumerate(self.indexes)]
@@ -62,10 +74,22 @@ class DCISelector(HeadIndexes):
         passkeys that whole pages kept; picked at the prompt's last steps, they lost 32k and 64k
         passkeys that pages there (and picks after them) found (docs/results.md, sessions 18
         and 19)."""
+        self.held = None
         pages = self.select_pages(queries, max_pages, wide)
         if not self.picking:
             return pages
         return [self.as_picks(h, page_members(tree, pages[h]), max_pages) for h, tree in enumerate(self.indexes)]
+
+    def searched(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """:meth:`select_pages` for a decode step, or the held result of an earlier step's
+        search when ``search_every`` allows it (same request, tree unchanged since)."""
+        key = (max_pages, wide)
+        if self.held is not None and self.held[0] == key and self.held_age < self.spec.search_every:
+            self.held_age += 1
+            return self.held[1]
+        pages = self.select_pages(queries, max_pages, wide)
+        self.held, self.held_age = ((key, pages), 1) if self.spec.search_every > 1 else (None, 0)
+        return pages
 
     def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """The tree's own pages: per KV head at most ``max_pages``, GQA-merged."""
@@ -92,6 +116,7 @@ class DCISelector(HeadIndexes):
     def release(self) -> None:
         super().release()
         self.picks = []
+        self.held = None
 
 
 def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
