@@ -16,7 +16,7 @@ import torch
 
 from .config import Settings
 from .memory import return_freed
-from .methods import make_cache, plan_run
+from .methods import make_cache, plan_run, prepare_model
 from .models import LoadedModel
 
 # on_progress(phase, done, total): phase is "prefill" (tokens) or "decode" (new tokens).
@@ -143,6 +143,7 @@ class Session:
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.new_tokens = 0  # the generation room of the current run (positions: auto reads it)
         self.run_settings: Settings | None = None  # settings with this run's choices made
+        self._run_tokens = 0  # the run's prompt + generation tokens (its RoPE depends on them)
         # what prefill() left to finish_prefill(): prompt tokens for decode steps, the prompt's
         # token count, the progress callback and the chunks' last logits
         self._pending: tuple[list[int], int, Callable, torch.Tensor | None] | None = None
@@ -181,7 +182,14 @@ class Session:
         for this run (``run_settings``)."""
         self.run_settings = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens,
                                      self.new_tokens)
-        return make_cache(self.method, self.loaded.model, self.run_settings, prompt_tokens + self.new_tokens)
+        self._run_tokens = prompt_tokens + self.new_tokens
+        return make_cache(self.method, self.loaded.model, self.run_settings, self._run_tokens)
+
+    def activate(self) -> None:
+        """Make the shared model this session's again (its method's attention and its run's
+        RoPE), after another session stepped in between (benchmarks interleave sessions)."""
+        if self.run_settings is not None:
+            prepare_model(self.method, self.loaded.model, self.run_settings, self._run_tokens)
 
     @property
     def positions(self) -> str:
@@ -256,6 +264,7 @@ class Session:
         twin.cached_ids = list(self.cached_ids)
         twin.new_tokens = self.new_tokens
         twin.run_settings = self.run_settings.replace(budget=settings.budget)
+        twin._run_tokens = self._run_tokens
         if self._pending is not None:  # prompt tokens still to step through (budget-independent)
             tokens, total, report, logits = self._pending
             twin._pending = (list(tokens), total, report, None if logits is None else logits.clone())

@@ -29,7 +29,7 @@ def batch(
     method: MethodOpt = "ice",
     budget: BudgetOpt = None,
     quiet: QuietOpt = False,
-    engine: Annotated[str, typer.Option("--engine", help="local (this process) or ray (an actor pool on a Ray cluster; pip install 'icecache[ray]').")] = "local",
+    engine: Annotated[str, typer.Option("--engine", help="local (this process) or ray (an actor pool on a Ray cluster; pip install 'icecache\\[ray]').")] = "local",
     address: Annotated[str | None, typer.Option("--address", help="ray: the cluster to join (default: Ray's own, RAY_ADDRESS or a local instance).", show_default=False)] = None,
     workers: Annotated[int | None, typer.Option("--workers", min=1, help="ray: actors, each loading the model once (default: the cluster's CPUs / --cpus-per-worker).", show_default=False)] = None,
     cpus_per_worker: Annotated[int, typer.Option("--cpus-per-worker", min=1, help="ray: CPUs (torch threads) per actor.")] = 1,

@@ -307,8 +307,9 @@ def decode(
     ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline. "
                                          "A method may change profile keys for its own row: "
-                                         "'ice[token_pick=4]', 'ice[index_merge=mass,index_refine=2]'.")] = "full,ice",
+                                         "'ice\\[token_pick=4]', 'ice\\[index_merge=mass,index_refine=2]'.")] = "full,ice",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Turns the methods take in order, each timing its share of the steps (A B A B ...): a drift of the machine's speed then slows every method alike. 1: each method's steps in one go.")] = 4,
     opts: BenchOptions = None,
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
@@ -331,9 +332,14 @@ def decode(
             shared = decode_bench.prefill(loaded, settings, n, lambda d, t: rep.progress("prefill", d, t))
             rep.close()
             rep.info(f"prefill: {shared.seconds:.1f} s")
+            timers = []
             for label, method, method_settings in variants:
-                rep.info(f"{label} at {n} tokens: decoding ...")
-                r = decode_bench.run(loaded, method_settings, method, n, steps=steps, shared=shared)
+                rep.info(f"{label} at {n} tokens: warming up ...")
+                timers.append(decode_bench.start(loaded, method_settings, method, shared))
+            rep.info(f"decoding: {steps} timed steps per method in {min(rounds, steps)} interleaved rounds ...")
+            timed = decode_bench.interleaved(timers, steps, min(rounds, steps))
+            del timers
+            for (label, _method, _s), r in zip(variants, timed, strict=True):
                 r.method = label
                 row = r.as_dict()
                 base = base or r

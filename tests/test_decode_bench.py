@@ -22,6 +22,25 @@ def test_decode_bench_shared_prefill(loaded, cpu_settings):
     assert set(ice.breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
 
 
+def test_interleaved_rounds_decode_as_each_method_alone(loaded, cpu_settings):
+    """Timers taking turns on the shared model (A B A B ...) decode exactly what each decodes
+    alone: every turn restores its session's attention and RoPE. The timed steps are split
+    over the rounds."""
+    settings = cpu_settings.replace(budget=64)
+    shared = decode_bench.prefill(loaded, settings, 300)
+    alone = {}
+    for m in ("full", "ice"):
+        t = decode_bench.start(loaded, settings, m, shared)
+        t.advance(7)
+        alone[m] = t.tokens
+    timers = [decode_bench.start(loaded, settings, m, shared) for m in ("full", "ice")]
+    rows = decode_bench.interleaved(timers, 7, 3)
+    assert [t.tokens for t in timers] == [alone["full"], alone["ice"]]
+    assert [len(t.times) for t in timers] == [7, 7] and len(alone["full"]) == 9  # 2 warm-up steps
+    assert [r.method for r in rows] == ["full", "ice"] and all(r.ctx == 300 for r in rows)
+    assert set(rows[1].breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
+
+
 def test_bench_command_both_kv_routes(tmp_path):
     """`icecache bench --ctx`: a context under --full-prefill-max from the shared full prefill,
     one over it from the ice sparse prefill; every row measured, ratios to full and dense."""

@@ -4,7 +4,9 @@ For each context length, generated text of that many tokens goes once through th
 chunked full-attention prefill (every method prefills with full attention); each method starts
 from a copy of that KV in its own cache, and ``steps`` decode steps are timed one by one after
 ``warmup`` untimed ones (the first of which builds the index: it is in the time to the second
-token, ``tt2t_s`` = the shared prefill + the first decode step).
+token, ``tt2t_s`` = the shared prefill + the first decode step). With several methods the timed
+steps are taken in interleaved rounds (:func:`interleaved`), so that a drift of the machine's
+speed during the run does not favour the methods timed first.
 """
 
 from __future__ import annotations
@@ -64,11 +66,29 @@ def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:
 def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 2,
         on_progress=None, shared=None) -> DecodeResult:
     """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from."""
-    ensure_warm(loaded, settings, [method])
     pre = shared or prefill(loaded, settings, ctx, on_progress)
+    timer = start(loaded, settings, method, pre, warmup)
+    timer.advance(steps)
+    return timer.result()
+
+
+def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2) -> DecodeTimer:
+    """A :class:`DecodeTimer` for ``method`` from a copy of the prefill ``pre`` (its warm-up
+    steps done)."""
+    ensure_warm(loaded, settings, [method])
     session = Session(loaded, settings, method)
     session.adopt(pre)
-    return time_decode(session, pre.logits, pre.seconds, steps, warmup)
+    return DecodeTimer(session, pre.logits, pre.seconds, warmup)
+
+
+def interleaved(timers: list[DecodeTimer], steps: int, rounds: int) -> list[DecodeResult]:
+    """``steps`` timed steps per timer, in ``rounds`` turns taken in order (A B C A B C ...), so
+    that a machine whose speed drifts during the run slows every method alike."""
+    per = [steps // rounds + (r < steps % rounds) for r in range(rounds)]
+    for n in per:
+        for t in timers:
+            t.advance(n)
+    return [t.result() for t in timers]
 
 
 def time_decode(session, logits, prefill_s: float, steps: int = 16,
@@ -76,45 +96,77 @@ def time_decode(session, logits, prefill_s: float, steps: int = 16,
     """Time ``steps`` greedy decode steps of a session whose cache holds the prompt, after
     ``warmup`` untimed ones (the first of which builds the index when the cache is not built
     yet: it counts in the time to the second token, ``prefill_s`` + that step)."""
-    settings, method = session.settings, session.method
-    ids = session.cached_ids
-    t0 = time.perf_counter()
-    with torch.inference_mode():
-        token = int(torch.argmax(logits))
-        times = []
-        stats0 = None
-        for i in range(warmup + steps):
+    timer = DecodeTimer(session, logits, prefill_s, warmup, on_step, planned=steps)
+    timer.advance(steps)
+    return timer.result()
+
+
+class DecodeTimer:
+    """Greedy decode steps of one session, timed one by one and resumable: the ``warmup``
+    untimed steps run at once (the first builds the index when the cache is not built yet: it
+    counts in the time to the second token, ``prefill_s`` + that step); :meth:`advance` times
+    more; :meth:`result` sums up the timed steps so far."""
+
+    def __init__(self, session, logits, prefill_s: float, warmup: int = 2, on_step=None,
+                 planned: int = 0):
+        self.session, self.prefill_s, self.warmup = session, prefill_s, warmup
+        self.on_step, self.planned = on_step, planned
+        self.token = int(torch.argmax(logits))
+        self.tokens: list[int] = []  # the greedy tokens fed so far
+        self.times: list[float] = []
+        self.breakdown_s = {"index_query": 0.0, "page_loading": 0.0, "ice_attention": 0.0}
+        self.loaded_pages = 0.0
+        self.done = 0
+        t0 = time.perf_counter()
+        for _ in range(warmup):
+            self._step(timed=False)
+            if self.done == 1:
+                self.tt2t = prefill_s + time.perf_counter() - t0
+        if warmup == 0:
+            self.tt2t = float("nan")  # set by the first timed step
+
+    def _step(self, timed: bool) -> None:
+        s0 = _stats(self.session.cache) if timed else None
+        self.tokens.append(self.token)
+        with torch.inference_mode():
             t = time.perf_counter()
-            logits = session.forward([token])
+            logits = self.session.forward([self.token])
             dt = time.perf_counter() - t
-            if i == 0:
-                tt2t = prefill_s + time.perf_counter() - t0
-            token = int(torch.argmax(logits))
-            if i == warmup - 1 or (warmup == 0 and i == 0):
-                stats0 = _stats(session.cache)
-            if i >= warmup:
-                times.append(dt)
-            if on_step is not None:  # (steps done, steps in all, timed step seconds, session)
-                on_step(i + 1, warmup + steps, times, session)
-    dev, host, sparse = kv_bytes(session.cache, settings.dense_layers)
-    breakdown, loaded_pages = {}, 0.0
-    s1 = _stats(session.cache)
-    if s1 and stats0:
-        n = len(times)
-        breakdown = {
-            "index_query": 1000 * (s1["query_s"] - stats0["query_s"]) / n,
-            "page_loading": 1000 * (s1["load_s"] - stats0["load_s"]) / n,
-            "ice_attention": 1000 * (s1["attention_s"] - stats0["attention_s"]) / n,
-        }
-        breakdown["rest_of_model"] = 1000 * float(np.median(times)) - sum(breakdown.values())
-        loaded_pages = (s1["pages_loaded"] - stats0["pages_loaded"]) / n
-    return DecodeResult(
-        method=method, ctx=len(ids) - warmup - steps, budget=settings.budget, prefill_s=prefill_s,
-        tt2t_s=tt2t, tpot_ms=1000 * float(np.median(times)),
-        tpot_p90_ms=1000 * float(np.percentile(times, 90)),
-        device_kv_bytes=dev, host_kv_bytes=host, device_kv_bytes_sparse_layers=sparse,
-        breakdown_ms=breakdown,
-        pages_loaded_per_step=loaded_pages)
+        self.token = int(torch.argmax(logits))
+        self.done += 1
+        if self.done == 1 and not self.warmup:
+            self.tt2t = self.prefill_s + dt
+        if timed:
+            self.times.append(dt)
+            s1 = _stats(self.session.cache)
+            if s0 and s1:
+                for name, key in (("index_query", "query_s"), ("page_loading", "load_s"),
+                                  ("ice_attention", "attention_s")):
+                    self.breakdown_s[name] += s1[key] - s0[key]
+                self.loaded_pages += s1["pages_loaded"] - s0["pages_loaded"]
+        if self.on_step is not None:  # (steps done, steps in all, timed step seconds, session)
+            self.on_step(self.done, self.warmup + self.planned, self.times, self.session)
+
+    def advance(self, steps: int) -> None:
+        self.session.activate()  # another timer's session may have used the model since
+        for _ in range(steps):
+            self._step(timed=True)
+
+    def result(self) -> DecodeResult:
+        session, settings = self.session, self.session.settings
+        dev, host, sparse = kv_bytes(session.cache, settings.dense_layers)
+        n = len(self.times)
+        breakdown, loaded_pages = {}, 0.0
+        if _stats(session.cache) and n:
+            breakdown = {k: 1000 * v / n for k, v in self.breakdown_s.items()}
+            breakdown["rest_of_model"] = 1000 * float(np.median(self.times)) - sum(breakdown.values())
+            loaded_pages = self.loaded_pages / n
+        return DecodeResult(
+            method=session.method, ctx=len(session.cached_ids) - self.done, budget=settings.budget,
+            prefill_s=self.prefill_s, tt2t_s=self.tt2t, tpot_ms=1000 * float(np.median(self.times)),
+            tpot_p90_ms=1000 * float(np.percentile(self.times, 90)),
+            device_kv_bytes=dev, host_kv_bytes=host, device_kv_bytes_sparse_layers=sparse,
+            breakdown_ms=breakdown, pages_loaded_per_step=loaded_pages)
 
 
 def _stats(cache):
