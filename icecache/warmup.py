@@ -42,9 +42,17 @@ def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None
 
 
 def compile_cache() -> None:
-    """The cache's own kernels: the page-load plan, the dense decode scores and token_pick's
-    choice (the pick and the packing of the chosen tokens into pages)."""
-    from .cache.kernels import choose_tokens, dense_scores, pick_rows, plan_head
+    """The cache's own kernels: the page-load plan, the dense decode scores, token_pick's
+    choice (the pick and the packing of the chosen tokens into pages) and the remapped
+    positions' offsets and key placement."""
+    from .cache.kernels import (
+        choose_tokens,
+        dense_scores,
+        ordered_offsets_nb,
+        pick_rows,
+        place_rows,
+        plan_head,
+    )
 
     S, P = 4, 2
     members = np.arange(16, dtype=np.int32).reshape(4, S)
@@ -59,6 +67,9 @@ def compile_cache() -> None:
               np.ones((3, 8), np.float32), 6, 0.35)
     choose_tokens(np.full((P, S), -1, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int64),
                   np.arange(5, dtype=np.int32))
+    ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 1, 10, -1)
+    place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
+               np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
 
 
 def main() -> None:

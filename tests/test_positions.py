@@ -363,6 +363,52 @@ def test_ordered_offsets_keep_short_gaps_and_cap_long_ones():
     assert ordered_offsets(rows, valid, 8)[0].tolist() == [[9, 16, 15, 0, 8]]
 
 
+def test_ordered_offsets_kernel_equals_the_numpy_reference():
+    """The numba offsets (what the decode step uses) equal the NumPy reference exactly, invalid
+    rows' offsets included, over gaps, keeps and tops."""
+    import numpy as np
+
+    from icecache.cache.positions import ordered_offsets, ordered_offsets_reference
+
+    rng = np.random.default_rng(6)
+    for gap in (1, 4, 1000):
+        for top, keep in ((0, -1), (399, -1), (399, 0), (399, 37), (399, 399), (200, 500), (-1, -1)):
+            for _ in range(25):
+                H, n = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+                rows = np.stack([rng.permutation(400)[:n] for _ in range(H)]).reshape(H, n)
+                valid = rng.random((H, n)) < rng.random()
+                got, want = ordered_offsets(rows, valid, gap, top, keep), ordered_offsets_reference(rows, valid, gap, top, keep)
+                for a, b in zip(got, want, strict=True):
+                    assert a.dtype == b.dtype == torch.int64
+                    assert torch.equal(a, b), (gap, top, keep, rows, valid)
+
+
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_place_keys_kernel_equals_the_torch_reference(rope):
+    """place_keys's numba pass (float32 on the CPU) equals its torch ops: rows turned by their
+    table rows, the window copied as it is; a partial rotary dim leaves the other channels."""
+    import numpy as np
+
+    from icecache.cache.positions import ordered_offsets, place_keys
+
+    frame = RopeFrame.from_model(llama(ROPES[rope]))
+    rng = np.random.default_rng(2)
+    for rotary in (None, frame.rotary_dim // 2):
+        fr = frame if rotary is None else RopeFrame(frame.inv_freq[: rotary // 2].clone(), frame.trained, frame.rope_type)
+        for _ in range(10):
+            H, s_cap, P, W, d = 3, 6, int(rng.integers(1, 40)), 9, 32
+            k = torch.randn(H, s_cap + P + W, d)
+            valid = rng.random((H, P)) < 0.8
+            rows = np.stack([rng.permutation(5000)[:P] for _ in range(H)])
+            offset, count = ordered_offsets(rows, valid, int(rng.integers(1, 50)))
+            pages_at = int(rng.integers(5000, 90_000))
+            fast = place_keys(fr, k, 4, s_cap, s_cap + P, pages_at, offset, count)
+            ref = place_keys(fr, k, 4, s_cap, s_cap + P, pages_at, offset, count, fast=False)
+            torch.testing.assert_close(fast, ref, atol=1e-6, rtol=1e-6)
+            assert not torch.equal(fast[:, :s_cap], k[:, :s_cap])  # the sink did turn
+            assert torch.equal(fast[:, s_cap + P :], k[:, s_cap + P :])
+
+
 def test_ordered_offsets_keep_the_near_rows_true():
     """With ``keep``: rows at most ``keep`` before row ``top`` sit at their true offset
     ``top - row``, the farther ones follow the farthest kept row as ``gap`` says (the nearest row

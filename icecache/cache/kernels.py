@@ -1,8 +1,10 @@
 """numba kernels of the caches: plan one KV head's page loads for a decode step; score a
-decode step's queries over a long dense cache.
+decode step's queries over a long dense cache; token_pick's choice and packing; the remapped
+positions' offsets and key placement.
 
 The plain references are :func:`plan_head_reference` (NumPy, the same contract; the tests compare
-the two on random pool states) and, for :func:`dense_scores`, the matrix product it replaces.
+the two on random pool states), for :func:`dense_scores` the matrix product it replaces, and the
+NumPy or torch versions each kernel's docstring names.
 """
 
 from __future__ import annotations
@@ -256,4 +258,68 @@ def choose_tokens(members, count, version, tokens):
         if count[p] > 0:
             out[n] = p
             n += 1
+    return out
+
+
+@njit(nogil=True, cache=True)
+def ordered_offsets_nb(rows, valid, gap, top, keep):
+    """:func:`icecache.cache.positions.ordered_offsets` (its NumPy version is the reference,
+    tested equal) in one pass per head: ``rows`` (H, n) int64 host rows of the pool slots,
+    ``valid`` (H, n) bool -> (offset (H, n), span (H,)) int64."""
+    H, n = rows.shape
+    offset = np.empty((H, n), np.int64)
+    span = np.empty(H, np.int64)
+    key = np.empty(n, np.int64)
+    after = np.empty(n, np.int64)
+    for h in range(H):
+        if n == 0:
+            span[h] = top + 1 if keep >= top >= 0 else 0
+            continue
+        count = 0
+        for j in range(n):
+            if valid[h, j]:
+                key[j] = rows[h, j]
+                count += 1
+            else:
+                key[j] = -1
+        order = np.argsort(key, kind="mergesort")  # stable: invalid rows (-1) first, in slot order
+        after[n - 1] = 0
+        for j in range(n - 2, -1, -1):  # distance of each sorted row before the last one
+            a, b = key[order[j]], key[order[j + 1]]
+            if a < 0:
+                step = 1  # from an invalid row: one position (they lie past the span)
+            elif a <= top and top - a <= keep:
+                step = b - a  # kept rows: their true distance
+            else:
+                step = min(b - a, gap)
+            after[j] = after[j + 1] + step
+        last = key[order[n - 1]]
+        add = top - last if (last >= 0 and last <= top and top - last <= keep) else 0
+        for j in range(n):
+            offset[h, order[j]] = after[j] + add
+        first = after[n - max(count, 1)] + add if count > 0 else -1
+        span[h] = top + 1 if keep >= top >= 0 else first + 1
+    return offset, span
+
+
+@njit(nogil=True, cache=True)
+def place_rows(k, offset, count, sink_fill, pool_at, cos_t, sin_t, rotary):
+    """:func:`icecache.cache.positions.place_keys`'s rotation in one pass (its torch version is
+    the reference, tested equal): a copy of ``k`` (H, L, d) float32 in which, for head ``h``,
+    the sink's ``pool_at`` slots turn by row ``count[h] + sink_fill - 1`` of the tables ``cos_t``
+    / ``sin_t`` (R, rotary) and the pool's ``offset.shape[1]`` rows after them by row
+    ``offset[h, i]``; the rows after the pool (the window) are copied as they are. The first
+    ``rotary`` channels turn as two halves (the model's RoPE)."""
+    H, L, d = k.shape
+    out = k.copy()
+    half = rotary // 2
+    n = offset.shape[1]
+    for h in range(H):
+        for i in range(pool_at + n):
+            t = count[h] + sink_fill - 1 if i < pool_at else offset[h, i - pool_at]
+            for c in range(half):
+                x1 = k[h, i, c]
+                x2 = k[h, i, c + half]
+                out[h, i, c] = x1 * cos_t[t, c] + (-x2) * sin_t[t, c]
+                out[h, i, c + half] = x2 * cos_t[t, c + half] + x1 * sin_t[t, c + half]
     return out

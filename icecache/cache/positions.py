@@ -36,6 +36,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from .dense import GrowingLayer
@@ -178,7 +179,7 @@ class Remap:
 
 
 def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, window_at: int,
-               pages_at: int, offset: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+               pages_at: int, offset: torch.Tensor, count: torch.Tensor, fast: bool = True) -> torch.Tensor:
     """A copy of resident keys ``k`` (H, L, d) with the pool rows (stored un-rotated) placed to
     end at position ``pages_at``, row ``i`` of a head at ``pages_at - offset[h, i]``, and the sink
     (stored at its true positions) just before the head's ``count[h]`` pool positions; the window
@@ -187,16 +188,24 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     No trigonometry per row: every moved row turns by a row of :meth:`RopeFrame.down_table`
     (rotations from 0 to ``pages_at - i``, shared by the layers of a step): a pool row by row
     ``offset``, a head's sink rows by row ``count + sink_fill - 1`` (from token ``j`` to
-    ``pages_at - count - sink_fill + 1 + j``)."""
+    ``pages_at - count - sink_fill + 1 + j``).
+
+    ``fast``: float32 keys on the CPU turn in one numba pass (:func:`~.kernels.place_rows`);
+    otherwise (and as its reference) torch ops."""
     H, _, d = k.shape
+    if fast and k.device.type == "cpu" and k.dtype == torch.float32:
+        from .kernels import place_rows
+
+        off, cnt = offset.numpy(), count.numpy().astype(np.int64)
+        need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
+        cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), "cpu")
+        return torch.from_numpy(place_rows(k.contiguous().numpy(), off, cnt, sink_fill, pool_at,
+                                           cos_t.numpy(), sin_t.numpy(), frame.rotary_dim))
     idx = torch.empty(H, window_at, dtype=torch.int64)
     idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
     idx[:, pool_at:] = offset
-    # one table for the layers of a step: rows for every slot, more (in whole 1024s) for the
-    # positions that gaps between rows take
     need = int(idx.max()) + 1 if idx.numel() else 0
-    rows = window_at + 1 if need <= window_at + 1 else -(-need // 1024) * 1024
-    cos_t, sin_t = frame.down_table(int(pages_at), rows, str(k.device))
+    cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), str(k.device))
     flat = idx.view(-1).to(k.device)
     r = cos_t.shape[1]
     cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
@@ -204,8 +213,27 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     return torch.cat([moved, k[:, window_at:]], dim=1)
 
 
+def _table_rows(need: int, window_at: int) -> int:
+    """Rows of the rotation table for a step: one per slot, more (in whole 1024s) for the
+    positions that gaps between rows take; the same for the layers of a step (one table)."""
+    return window_at + 1 if need <= window_at + 1 else -(-need // 1024) * 1024
+
+
 def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`ordered_offsets_reference` by one numba pass per head
+    (:func:`~.kernels.ordered_offsets_nb`)."""
+    import numpy as np
+
+    from .kernels import ordered_offsets_nb
+
+    offset, span = ordered_offsets_nb(np.asarray(rows, np.int64), np.asarray(valid, np.bool_),
+                                      int(gap), int(top), int(keep))
+    return torch.from_numpy(offset), torch.from_numpy(span)
+
+
+def ordered_offsets_reference(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
+                              ) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots (the store
     appends in token order, so rows order tokens), ``valid`` (H, n) bool (NumPy). Returns
     (offset (H, n): the row's distance before the head's latest valid row, which is at 0;
