@@ -309,7 +309,7 @@ def decode(
                                          "A method may change profile keys for its own row: "
                                          "'ice\\[token_pick=4]', 'ice\\[index_merge=mass,index_refine=2]'.")] = "full,ice",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
-    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Turns the methods take in order, each timing its share of the steps (A B A B ...): a drift of the machine's speed then slows every method alike. 1: each method's steps in one go.")] = 4,
+    rounds: Annotated[int, typer.Option("--rounds", min=1, help="Turns the methods take in order, each timing its share of the steps (A B A B ...): a drift of the machine's speed then slows every method alike (every method's cache is held at once). 1: each method's steps in one go, one cache at a time.")] = 4,
     opts: BenchOptions = None,
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
@@ -332,13 +332,20 @@ def decode(
             shared = decode_bench.prefill(loaded, settings, n, lambda d, t: rep.progress("prefill", d, t))
             rep.close()
             rep.info(f"prefill: {shared.seconds:.1f} s")
-            timers = []
-            for label, method, method_settings in variants:
-                rep.info(f"{label} at {n} tokens: warming up ...")
-                timers.append(decode_bench.start(loaded, method_settings, method, shared))
-            rep.info(f"decoding: {steps} timed steps per method in {min(rounds, steps)} interleaved rounds ...")
-            timed = decode_bench.interleaved(timers, steps, min(rounds, steps))
-            del timers
+            turns = min(rounds, steps)
+            if turns == 1:  # one method after the other: one method's cache alive at a time
+                timed = []
+                for label, method, method_settings in variants:
+                    rep.info(f"{label} at {n} tokens: decoding ...")
+                    timed.append(decode_bench.run(loaded, method_settings, method, n, steps=steps, shared=shared))
+            else:  # every method's cache alive at once, taking turns
+                timers = []
+                for label, method, method_settings in variants:
+                    rep.info(f"{label} at {n} tokens: warming up ...")
+                    timers.append(decode_bench.start(loaded, method_settings, method, shared))
+                rep.info(f"decoding: {steps} timed steps per method in {turns} interleaved rounds ...")
+                timed = decode_bench.interleaved(timers, steps, turns)
+                del timers
             for (label, _method, _s), r in zip(variants, timed, strict=True):
                 r.method = label
                 row = r.as_dict()

@@ -159,3 +159,21 @@ def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
             parse_variant(bad, cpu_settings)
     with pytest.raises(UsageError, match="brackets"):
         split_methods("ice[token_pick=4")
+
+
+@pytest.mark.parametrize("rounds", ["1", "2"])
+def test_bench_decode_command_rounds(rounds):
+    """`icecache bench decode --rounds`: one method after the other (1) or taking turns (2);
+    either way a row per method, ratios to the first."""
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "decode", "--ctx", "300", "--methods", "full,ice[search_every=2]", "--decode-steps", "3",
+                 "--rounds", rounds, "--budget", "64", "--json"])
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [x["method"] for x in rows] == ["full", "ice[search_every=2]"]
+    assert all(x["tpot_ms"] > 0 and x["ctx"] == 300 for x in rows)
+    assert rows[0]["tpot_ratio_vs_full"] == 1.0 and rows[1]["host_kv_bytes"] > 0
+    assert ("interleaved rounds" in r.stderr.decode()) == (rounds == "2")
