@@ -324,16 +324,17 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     prepare_model("full", model)
 
 
-def test_token_pick_covering_everything_equals_full():
-    """token_pick with room for every token decodes exactly like the dense cache."""
+@pytest.mark.parametrize("pick,every", [(4, 1), (0, 4), (4, 4)])
+def test_token_pick_and_search_every_covering_everything_equal_full(pick, every):
+    """With room for every token, token_pick and reused searches (pages and picks) decode
+    exactly like the dense cache."""
     model = tiny_model("llama", 2)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(3 if every == 1 else 5)
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 30).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": 4})
-    cache = ice_cache(model, s)
-    got = run_steps(model, cache, prompt, forced)
+    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": every})
+    got = run_steps(model, ice_cache(model, s), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
@@ -524,16 +525,3 @@ def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
     sel.select(qs[10], 4)
     assert searches[-1] == 4 * per and len(searches) == 7  # another request is another search
 
-
-def test_search_every_covering_everything_equals_full():
-    """With room for every token, reusing searches (pages and picks) decodes like the dense cache."""
-    model = tiny_model("llama", 2)
-    rng = np.random.default_rng(5)
-    prompt = rng.integers(0, 97, 150).tolist()
-    forced = rng.integers(0, 97, 30).tolist()
-    ref = run_steps(model, full_cache(model), prompt, forced)
-    for pick in (0, 4):
-        s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": 4})
-        got = run_steps(model, ice_cache(model, s), prompt, forced)
-        for a, b in zip(ref, got, strict=True):
-            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)

@@ -117,16 +117,12 @@ class DecodeTimer:
         self.breakdown_s = {"index_query": 0.0, "page_loading": 0.0, "ice_attention": 0.0}
         self.loaded_pages = 0.0
         self.done = 0
-        t0 = time.perf_counter()
+        self.tt2t = float("nan")
+        self._t0 = time.perf_counter()
         for _ in range(warmup):
             self._step(timed=False)
-            if self.done == 1:
-                self.tt2t = prefill_s + time.perf_counter() - t0
-        if warmup == 0:
-            self.tt2t = float("nan")  # set by the first timed step
 
     def _step(self, timed: bool) -> None:
-        s0 = _stats(self.session.cache) if timed else None
         self.tokens.append(self.token)
         with torch.inference_mode():
             t = time.perf_counter()
@@ -134,23 +130,25 @@ class DecodeTimer:
             dt = time.perf_counter() - t
         self.token = int(torch.argmax(logits))
         self.done += 1
-        if self.done == 1 and not self.warmup:
-            self.tt2t = self.prefill_s + dt
+        if self.done == 1:  # the prefill + this first step: the time to the second token
+            self.tt2t = self.prefill_s + time.perf_counter() - self._t0
         if timed:
             self.times.append(dt)
-            s1 = _stats(self.session.cache)
-            if s0 and s1:
-                for name, key in (("index_query", "query_s"), ("page_loading", "load_s"),
-                                  ("ice_attention", "attention_s")):
-                    self.breakdown_s[name] += s1[key] - s0[key]
-                self.loaded_pages += s1["pages_loaded"] - s0["pages_loaded"]
         if self.on_step is not None:  # (steps done, steps in all, timed step seconds, session)
             self.on_step(self.done, self.warmup + self.planned, self.times, self.session)
 
     def advance(self, steps: int) -> None:
+        """``steps`` more timed steps; the cache's counters over them join the breakdown."""
         self.session.activate()  # another timer's session may have used the model since
+        s0 = _stats(self.session.cache)
         for _ in range(steps):
             self._step(timed=True)
+        s1 = _stats(self.session.cache)
+        if s0 and s1:
+            for name, key in (("index_query", "query_s"), ("page_loading", "load_s"),
+                              ("ice_attention", "attention_s")):
+                self.breakdown_s[name] += s1[key] - s0[key]
+            self.loaded_pages += s1["pages_loaded"] - s0["pages_loaded"]
 
     def result(self) -> DecodeResult:
         session, settings = self.session, self.session.settings

@@ -223,8 +223,6 @@ def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
                     ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ordered_offsets_reference` by one numba pass per head
     (:func:`~.kernels.ordered_offsets_nb`)."""
-    import numpy as np
-
     from .kernels import ordered_offsets_nb
 
     offset, span = ordered_offsets_nb(np.asarray(rows, np.int64), np.asarray(valid, np.bool_),
@@ -249,8 +247,6 @@ def ordered_offsets_reference(rows, valid, gap: int = 1, top: int = 0, keep: int
     (-1: none kept, the nearest row at 0). If ``keep`` reaches past row 0 (the whole store
     is kept), the span is ``top + 1``: the sink, placed just beyond it, is at its true positions
     too."""
-    import numpy as np
-
     key = np.where(valid, rows, -1)
     order = np.argsort(key, axis=1, kind="stable")
     H, n = key.shape
@@ -288,8 +284,6 @@ def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.T
     smallest whole ``G`` that brings row 0 to an offset within ``room``. Returns (offset (H, n),
     span (H,): row 0's offset + 1 for every head, where the sink goes just beyond, so that it
     is grouped with the rest; with ``G`` = 1 every row and the sink are at their true places)."""
-    import numpy as np
-
     keep, group = _grouping(top, keep, room)
     t = np.clip(top - np.where(valid, rows, top), 0, None)  # (an invalid row: at 0, masked)
     offset = np.where(t <= keep, t, keep + (t - keep) // group)
@@ -306,8 +300,6 @@ def spread_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.T
     the previous row (so order and adjacency survive, unlike :func:`scaled_offsets`). Returns
     (offset (H, n), span (H,): the farthest row's offset + 1 and at least row 0's wanted offset
     + 1; G = 1 while the document fits: every row and the sink at their true places)."""
-    import numpy as np
-
     H, n = rows.shape
     keep, group = _grouping(top, keep, room - n)
     key = np.where(valid, rows, -1)
