@@ -117,8 +117,7 @@ class DecodeTimer:
         self.breakdown_s = {"index_query": 0.0, "page_loading": 0.0, "ice_attention": 0.0}
         self.loaded_pages = 0.0
         self.done = 0
-        self.tt2t = float("nan")
-        self._t0 = time.perf_counter()
+        self.tt2t = float("nan")  # set by the first step, warm-up or timed
         for _ in range(warmup):
             self._step(timed=False)
 
@@ -130,8 +129,8 @@ class DecodeTimer:
             dt = time.perf_counter() - t
         self.token = int(torch.argmax(logits))
         self.done += 1
-        if self.done == 1:  # the prefill + this first step: the time to the second token
-            self.tt2t = self.prefill_s + time.perf_counter() - self._t0
+        if self.done == 1:  # the prefill + this first step (only its own): the time to the second token
+            self.tt2t = self.prefill_s + time.perf_counter() - t
         if timed:
             self.times.append(dt)
         if self.on_step is not None:  # (steps done, steps in all, timed step seconds, session)
