@@ -30,7 +30,10 @@ from icecache_cli.bench import parse_size
 def beam_rule(rule: str):
     """Nodes per level as a function of the indexed keys ``n``."""
     kind = rule.rstrip("0123456789.")
-    value = float(rule[len(kind):])
+    try:
+        value = float(rule[len(kind):])
+    except ValueError:
+        raise SystemExit(f"--rules: {rule!r} is not bN, fX or sqrtC") from None
     if kind == "b":
         return lambda n: int(value)
     if kind == "f":
@@ -55,8 +58,9 @@ def main() -> None:
     settings = resolve_settings(args.profile)
     loaded = load_model(None, settings)
     tok = loaded.tokenizer
-    case = passkey.cases(tok, parse_size(args.length), args.n, args.seed,
-                         [i / 20 for i in range(20)])[args.case]
+    # the depths of `icecache eval --depths`' default (0:95:5)
+    depths = passkey.parse_depths("0:95:5")
+    case = passkey.cases(tok, parse_size(args.length), args.n, args.seed, depths)[args.case]
     print(f"depth {case.depth}, answer {case.answer}", flush=True)
     ids = tok(case.prompt)["input_ids"]
     first = Session(loaded, settings.replace(budget=int(args.budgets.split(",")[0])), "ice")
