@@ -77,6 +77,9 @@ class Settings:
     # its pages (with token_pick: its candidates, picked anew by each step's query) while the
     # tree is unchanged
     search_every: int = 1
+    # a decode step ranks the previous step's pages beside those its index search reaches (a
+    # narrow beam then keeps what an earlier, wider search found while the queries still want it)
+    carry_pages: bool = False
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072

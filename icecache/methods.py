@@ -159,6 +159,7 @@ def ice_spec(settings: Settings, method: Method):
         dense_window=settings.dense_window,
         token_pick=settings.token_pick,
         search_every=settings.search_every,
+        carry_pages=settings.carry_pages,
         host_dtype=host_dtype(settings),
     )
 

@@ -7,7 +7,9 @@ needle, without paying a long prefill per rule.
 
 A rule sets the nodes a decode-step query expands per level: ``bN`` a fixed N, ``fX`` at least
 32 and X times the indexed keys (the old CPU rule was f0.016), ``sqrtC`` at least 32 and C times
-the square root of the keys. The prompt's last steps (run inside the prefill) keep the profile's
+the square root of the keys; a ``+carry`` suffix (``b32+carry``) turns ``carry_pages`` on for
+the decode (each step ranks the last step's pages, the prompt's last step's first, beside its
+search's). The prompt's last steps (run inside the prefill) keep the profile's
 rule, which includes ``tail_beam_frac``. The cases are ``icecache eval``'s (--n cases over its
 default depths, keys from --seed); the case number counts from 0.
 """
@@ -19,6 +21,7 @@ import time
 
 import numpy as np
 
+from icecache.cache.selectors.dci import DCISelector
 from icecache.config import resolve_settings
 from icecache.evals import passkey
 from icecache.generation import Session
@@ -29,6 +32,7 @@ from icecache_cli.bench import parse_size
 
 def beam_rule(rule: str):
     """Nodes per level as a function of the indexed keys ``n``."""
+    rule = rule.removesuffix("+carry")
     kind = rule.rstrip("0123456789.")
     try:
         value = float(rule[len(kind):])
@@ -41,6 +45,18 @@ def beam_rule(rule: str):
     if kind == "sqrt":
         return lambda n: max(32, int(value * math.sqrt(n)))
     raise SystemExit(f"--rules: {rule!r} is not bN, fX or sqrtC")
+
+
+def remember(self, pages):
+    """``DCISelector.carry`` with ``carry_pages`` on."""
+    self.carried = pages
+    return pages
+
+
+def forget(self, pages):
+    """``DCISelector.carry`` with ``carry_pages`` off."""
+    self.carried = None
+    return pages
 
 
 def main() -> None:
@@ -63,6 +79,8 @@ def main() -> None:
     case = passkey.cases(tok, parse_size(args.length), args.n, args.seed, depths)[args.case]
     print(f"depth {case.depth}, answer {case.answer}", flush=True)
     ids = tok(case.prompt)["input_ids"]
+    shipped_carry = DCISelector.carry
+    DCISelector.carry = remember  # the prefill's last choice is kept for the +carry rules
     first = Session(loaded, settings.replace(budget=int(args.budgets.split(",")[0])), "ice")
     first.new_tokens = args.new_tokens
     start = time.perf_counter()
@@ -77,7 +95,12 @@ def main() -> None:
                 def beam_for(self, wide=0.0, nodes=nodes):
                     return max(nodes(self.n), int(np.ceil(wide * self.n)))
                 DCITree.beam_for = beam_for
+                DCISelector.carry = remember if name.endswith("+carry") else forget
                 twin = first.fork(settings.replace(budget=budget))
+                if not name.endswith("+carry"):
+                    for layer in twin.cache.ice_layers():
+                        if isinstance(layer.selector, DCISelector):
+                            layer.selector.carried = None
                 start = time.perf_counter()
                 out, _ = twin.decode(logits.clone(), args.new_tokens)
                 text = tok.decode(out)
@@ -86,6 +109,7 @@ def main() -> None:
                 del twin
     finally:
         DCITree.beam_for = shipped
+        DCISelector.carry = shipped_carry
 
 
 if __name__ == "__main__":

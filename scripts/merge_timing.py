@@ -37,7 +37,7 @@ def main() -> None:
     def run(code: int):
         return t._walk(3, lambda mark, sid, spg, ssc: kernels.select_group_shared(
             qs, 256, 16, beam, t.PX, t.top_level, t.first_page, t.next_page, t.members, t.count,
-            t.node_size, t.tok_page, mark, sid, spg, ssc, code, 0.125), beam)
+            t.node_size, t.tok_page, mark, sid, spg, ssc, np.empty(0, np.int32), 0, t.owner, code, 0.125), beam)
 
     times: dict[int, list[float]] = {c: [] for c in range(len(kernels.MERGES))}
     for c in times:

@@ -324,16 +324,18 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     prepare_model("full", model)
 
 
-@pytest.mark.parametrize("pick,every", [(4, 1), (0, 4), (4, 4)])
-def test_token_pick_and_search_every_covering_everything_equal_full(pick, every):
-    """With room for every token, token_pick and reused searches (pages and picks) decode
-    exactly like the dense cache."""
+@pytest.mark.parametrize("pick,every,carry", [(4, 1, False), (0, 4, False), (4, 4, False), (0, 1, True),
+                                             (4, 1, True)])
+def test_token_pick_and_search_every_covering_everything_equal_full(pick, every, carry):
+    """With room for every token, token_pick, reused searches (pages and picks) and carried
+    pages decode exactly like the dense cache."""
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(3 if every == 1 else 5)
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 30).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": every})
+    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": every,
+                   "carry_pages": carry})
     got = run_steps(model, ice_cache(model, s), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
@@ -486,9 +488,9 @@ def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
     searches = []
     real = sel.select_pages
 
-    def counting(q, max_pages, wide=0.0):
+    def counting(q, max_pages, wide=0.0, extra=None):
         searches.append(max_pages)
-        return real(q, max_pages, wide)
+        return real(q, max_pages, wide, extra)
 
     sel.select_pages = counting
     per = max(1, pick)
@@ -525,3 +527,41 @@ def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
     sel.select(qs[10], 4)
     assert searches[-1] == 4 * per and len(searches) == 7  # another request is another search
 
+
+
+def test_carry_pages_keeps_what_a_wider_search_found():
+    """``carry_pages``: a decode step ranks the layer's last choice beside what its own (narrow)
+    walk reaches. After an exact prompt-end search (``wide`` 1) the next narrow steps of the same
+    queries keep its pages; without the carry the narrow walk misses some (so the test can tell
+    them apart). The carried choice is the last step's, and a new build forgets it."""
+    from icecache.cache.selectors import make_selector
+    from icecache.index.reference import exact_topk, ranked_pages
+
+    from .test_index import clustered
+
+    S, H, n, d = 8, 3, 6000, 32
+    missed = 0
+    for carry in (True, False):
+        s = IceSpec(page_size=S, budget_pages=6, carry_pages=carry,
+                    index=IndexConfig(page_size=S, beam=2, beam_frac=0.0))
+        sel = make_selector(s)
+        keys = np.stack([clustered(n, d=d, clusters=60, seed=30 + h) for h in range(H)]).astype(np.float32)
+        sel.build(torch.from_numpy(keys), 0, n, n + 64)
+        for trial in range(4):
+            q = np.stack([clustered(1, d=d, clusters=60, seed=40 + 7 * trial + h) for h in range(H)]).astype(np.float32)
+            exact = [np.asarray(ranked_pages(exact_topk(keys[h], q[h, 0], 6 * S).astype(np.int32), sel.indexes[h].tok_page, 6))
+                     for h in range(H)]
+            wide = sel.select_prefill(q, 6, 1.0)
+            assert [w.tolist() for w in wide] == [e.tolist() for e in exact]
+            for _ in range(2):
+                got = sel.select(q, 6)
+                if carry:
+                    assert [g.tolist() for g in got] == [e.tolist() for e in exact]
+                    assert sel.carried is got
+                else:
+                    missed += any(g.tolist() != e.tolist() for g, e in zip(got, exact, strict=True))
+                    assert sel.carried is None
+        if carry:
+            sel.build(torch.from_numpy(keys), 0, n, n + 64)
+            assert sel.carried is None
+    assert missed

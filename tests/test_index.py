@@ -269,6 +269,38 @@ def test_a_wide_search_is_exact_on_a_narrow_tree():
     assert [g.tolist() for g in got] == [r.tolist() for r in refs]
 
 
+def test_extra_pages_are_ranked_with_the_walks_pages():
+    """``extra`` pages (``carry_pages``: the previous step's choice) compete with what a narrow
+    walk reaches: given each query's exact best pages as extras, the narrow tree's selection is
+    the exact one, per tree and through the layer's parallel walk; pages that rank low change
+    nothing, and a duplicated or retired extra is harmless."""
+    from icecache.index.walk import select_layer
+
+    trees, refs, extras, narrow = [], [], [], []
+    queries = np.stack([clustered(3, d=32, clusters=40, seed=20 + h) for h in range(3)])
+    for h in range(3):
+        keys = clustered(8000, d=32, clusters=40, seed=10 + h)
+        t = DCITree(32, IndexConfig(page_size=16, beam=4, beam_frac=0.0))
+        t.insert(keys)
+        trees.append(t)
+        lists = [ranked_pages(exact_topk(keys, q, 128).astype(np.int32), t.tok_page, 8) for q in queries[h]]
+        refs.append(merge_group_pages(lists, 8))
+        extras.append(np.concatenate(lists))  # duplicates across the queries' lists
+        plain = t.select_group(queries[h], 128, 8)
+        narrow.append(plain.tolist() == refs[h].tolist())
+        assert t.select_group(queries[h], 128, 8, extra=extras[h]).tolist() == refs[h].tolist()
+        # the worst-scoring live pages as extras: the narrow walk's own choice is kept
+        live = t.live_pages()
+        worst = live[np.argsort([t.rows(t.page_tokens(p))[:, :32].dot(queries[h].T).max() for p in live])[:8]]
+        retired = np.array([t.pcap - 1], np.int32)  # never filled: owner -1
+        assert t.select_group(queries[h], 128, 8, extra=np.concatenate([worst, retired])).tolist() == plain.tolist()
+    assert not all(narrow)  # without the extras the narrow beam misses pages here
+    got = select_layer(trees, queries, 128, 8, extra=extras)
+    assert [g.tolist() for g in got] == [r.tolist() for r in refs]
+    with pytest.raises(ValueError, match="page path"):
+        trees[0].select_group(queries[0], 64, 8, extra=extras[0])
+
+
 def test_best_pages_path_equals_ranking_the_top_points():
     """The page path of the group selection (best member per page) picks the same pages, in the
     same order, as ranking the group's top max_pages x page_size points, call after call."""

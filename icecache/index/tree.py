@@ -27,6 +27,7 @@ from .kernels import refine as refine_kernels
 
 MAX_LEVELS = 12
 EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
+NO_PAGES = np.empty(0, np.int32)
 
 
 class DCITree:
@@ -475,22 +476,28 @@ class DCITree:
             self.members, self.count, self.node_size, mark, sid, spg, ssc, ids, scores)))
         return ids, scores
 
-    def select_group(self, queries: np.ndarray, k: int, max_pages: int, wide: float = 0.0) -> np.ndarray:
+    def select_group(self, queries: np.ndarray, k: int, max_pages: int, wide: float = 0.0,
+                     extra: np.ndarray | None = None) -> np.ndarray:
         """The merged page list of a GQA group (``merge_group_pages`` of ``select_pages``).
 
         With ``shared_walk`` (the default) the group's queries walk the tree together
         (:meth:`search_group`); else each query searches alone (:meth:`search`). ``wide``: the
-        beam covers at least this share of the points (:meth:`beam_for`).
+        beam covers at least this share of the points (:meth:`beam_for`). ``extra``: pages
+        ranked with those the walk reaches whether it reaches them or not (a previous step's
+        choice; the shared walk's page path only, ``k`` >= ``max_pages`` x page size).
         """
         queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
         if self.n == 0:
             return np.empty(0, np.int32)
         beam = self.beam_for(wide)
+        extra = NO_PAGES if extra is None else np.ascontiguousarray(extra, dtype=np.int32)
+        if len(extra) and (not self.cfg.shared_walk or k < max_pages * self.cfg.page_size):
+            raise ValueError("extra pages need the shared walk's page path")
         if self.cfg.shared_walk:
             return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
                 queries, k, max_pages, beam, self.PX, self.top_level, self.first_page,
                 self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
-                spg, ssc, *self.merge_args()), beam)
+                spg, ssc, extra, len(extra), self.owner, *self.merge_args()), beam + len(extra))
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, beam, self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,

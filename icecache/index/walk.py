@@ -44,8 +44,8 @@ def group_scratch(n: int, g: int, rows: int, slot: int = 0):
 
 
 def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
-                 wide: float = 0.0) -> list[np.ndarray]:
-    """``trees[h].select_group(queries[h], k, max_pages, wide)`` for every KV head h of a layer,
+                 wide: float = 0.0, extra: list[np.ndarray] | None = None) -> list[np.ndarray]:
+    """``trees[h].select_group(queries[h], k, max_pages, wide, extra[h])`` for every KV head h of a layer,
     the heads walked in parallel by one numba call (per-tree calls when a tree is empty or does
     not use shared walks).
 
@@ -53,15 +53,22 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
     core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
     """
     H = len(trees)
+    extra = extra if extra is not None else [None] * H
     if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
-        return [t.select_group(queries[h], k, max_pages, wide) for h, t in enumerate(trees)]
+        return [t.select_group(queries[h], k, max_pages, wide, extra[h]) for h, t in enumerate(trees)]
+    if any(e is not None and len(e) for e in extra) and k < max_pages * trees[0].cfg.page_size:
+        raise ValueError("extra pages need the shared walk's page path")
+    n_extra = np.array([0 if e is None else len(e) for e in extra], np.int64)
+    extras = np.zeros((H, max(1, int(n_extra.max()))), np.int32)
+    for h, e in enumerate(extra):
+        extras[h, : n_extra[h]] = e if e is not None else ()
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     g = queries.shape[1]
     beams = np.array([t.beam_for(wide) for t in trees], np.int64)
     out = np.empty((H, max_pages), np.int32)
     lens = np.zeros(H, np.int64)
     ok = np.zeros(H, np.bool_)
-    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h]), g), slot=h)
+    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h] + n_extra[h]), g), slot=h)
                for h, t in enumerate(trees)]
     kernels.select_heads_shared(
         queries, k, max_pages, beams, tuple(t.PX for t in trees),
@@ -69,6 +76,7 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
         tuple(t.next_page for t in trees), tuple(t.members for t in trees),
         tuple(t.count for t in trees), tuple(t.node_size for t in trees),
         tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
-        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, *trees[0].merge_args())
-    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages, wide)
+        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, extras, n_extra,
+        tuple(t.owner for t in trees), *trees[0].merge_args())
+    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages, wide, extra[h])
             for h in range(H)]

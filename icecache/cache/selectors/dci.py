@@ -14,6 +14,12 @@ With ``search_every`` (``IceSpec.search_every`` = r > 1) a decode step reuses th
 step's search result while the tree is unchanged, for at most r steps in a row: the same pages,
 or with ``token_pick`` the same candidate pages, among which the step's own query picks its
 tokens. A step that inserts keys into the tree, a prefill step and a new budget search again.
+
+With ``carry_pages`` a decode step's search ranks the pages of the layer's previous choice (the
+prompt's last step's, then each decode step's; with ``token_pick`` the candidate pages) beside
+the pages its walk reaches, scored by the step's own queries. A page that an earlier, wider
+search found (the prompt's last steps search every key) stays while the queries still rank it
+among the best, however narrow the decode beam; a page they stop wanting drops out.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ class DCISelector(HeadIndexes):
         self.picks: list[TokenPages] = []  # token_pick: the chosen tokens' pages per KV head
         self.held: tuple | None = None  # search_every: ((pages, wide), pages per KV head)
         self.held_age = 0  # decode steps that used ``held``
+        self.carried: list[np.ndarray] | None = None  # carry_pages: the last choice's pages per KV head
 
     @property
     def picking(self) -> bool:
@@ -51,6 +58,7 @@ class DCISelector(HeadIndexes):
         pages = max(1, self.spec.pool_pages)
         self.picks = [TokenPages(self.spec.page_size, pages) for _ in self.indexes] if self.picking else []
         self.held = None
+        self.carried = None
 
     def insert(self, keys) -> None:
         self.held = None  # new keys may belong in pages the held search did not return
@@ -61,8 +69,8 @@ class DCISelector(HeadIndexes):
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         if not self.picking:
-            return self.searched(queries, max_pages, wide)
-        pages = self.searched(queries, self.spec.token_pick * max_pages, wide)
+            return self.carry(self.searched(queries, max_pages, wide))
+        pages = self.carry(self.searched(queries, self.spec.token_pick * max_pages, wide))
         take = max_pages * self.spec.page_size
         return [self.as_picks(h, picked(tree, queries[h], pages[h], take), max_pages)
                 for h, tree in enumerate(self.indexes)]
@@ -75,7 +83,7 @@ class DCISelector(HeadIndexes):
         passkeys that pages there (and picks after them) found (docs/results.md, sessions 18
         and 19)."""
         self.held = None
-        pages = self.select_pages(queries, max_pages, wide)
+        pages = self.carry(self.select_pages(queries, max_pages, wide))
         if not self.picking:
             return pages
         return [self.as_picks(h, page_members(tree, pages[h]), max_pages) for h, tree in enumerate(self.indexes)]
@@ -87,16 +95,25 @@ class DCISelector(HeadIndexes):
         if self.held is not None and self.held[0] == key and self.held_age < self.spec.search_every:
             self.held_age += 1
             return self.held[1]
-        pages = self.select_pages(queries, max_pages, wide)
+        pages = self.select_pages(queries, max_pages, wide, self.carried)
         self.held, self.held_age = ((key, pages), 1) if self.spec.search_every > 1 else (None, 0)
         return pages
 
-    def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
-        """The tree's own pages: per KV head at most ``max_pages``, GQA-merged."""
+    def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0,
+                     extra: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The tree's own pages: per KV head at most ``max_pages``, GQA-merged; ``extra[h]``:
+        pages ranked with those head h's walk reaches (``carry_pages``)."""
         k = max_pages * self.spec.page_size
         if not PARALLEL_HEADS:
-            return [index.select_group(queries[h], k, max_pages, wide) for h, index in enumerate(self.indexes)]
-        return select_layer(self.indexes, queries, k, max_pages, wide)
+            return [index.select_group(queries[h], k, max_pages, wide, None if extra is None else extra[h])
+                    for h, index in enumerate(self.indexes)]
+        return select_layer(self.indexes, queries, k, max_pages, wide, extra)
+
+    def carry(self, pages: list[np.ndarray]) -> list[np.ndarray]:
+        """Remember ``pages`` (a choice's tree pages per KV head) for the next search's ranking."""
+        if self.spec.carry_pages:
+            self.carried = pages
+        return pages
 
     def as_picks(self, head: int, rows: np.ndarray, max_pages: int) -> np.ndarray:
         """Make host ``rows`` (at most ``max_pages`` pages' worth) head ``head``'s chosen tokens;
@@ -117,6 +134,7 @@ class DCISelector(HeadIndexes):
         super().release()
         self.picks = []
         self.held = None
+        self.carried = None
 
 
 def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:

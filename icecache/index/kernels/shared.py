@@ -242,10 +242,50 @@ def peak_pages(pages, starts, scratch_scores, norms, scale, max_pages):
 MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: their index here
 
 
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count, scratch_ids,
+                scratch_pages, scratch_scores, kept):
+    """Append to the walk's scanned rows (``kept`` of them) the bottom-level pages
+    ``extra[:n_extra]`` that the walk did not scan: each page one more run. A bottom page was
+    scanned when its owner node was expanded (marked with this call's stamp, ``mark[0]``), or
+    when the root's children are the bottom level. Returns the new row count, or -1 when the
+    scratch is too short."""
+    if top_level <= 0:
+        return kept
+    stamp = mark[0]
+    g, D = V.shape
+    rows = scratch_ids.shape[0]
+    m = kept
+    for e in range(n_extra):
+        pg = extra[e]
+        node = owner[pg]
+        if node <= 0 or mark[node] == stamp or count[pg] == 0:
+            continue  # retired, or scanned by the walk
+        dup = False
+        for f in range(e):
+            if extra[f] == pg:
+                dup = True
+                break
+        if dup:
+            continue
+        if m + count[pg] > rows:
+            return -1
+        for s in range(count[pg]):
+            for r in range(g):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += PX[pg, s, d] * V[r, d]
+                scratch_scores[m, r] = acc
+            scratch_ids[m] = members[pg, s]
+            scratch_pages[m] = pg
+            m += 1
+    return m
+
+
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
                         members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
-                        scratch_scores, merge=0, scale=1.0):
+                        scratch_scores, extra, n_extra, owner, merge=0, scale=1.0):
     """``select_group`` with the shared walk of ``search_group_shared``.
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
@@ -253,8 +293,10 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
     its top-``k`` points: the same pages, without sorting ``k`` points per query; the lists are
     merged rank by rank (``merge`` 0, see :data:`MERGES`). ``merge`` 1: the group's pages by
     estimated attention mass instead (:func:`mass_pages`, softmax scale ``scale``); 2: by the
-    mass estimated from each page's best member (:func:`peak_pages`). Returns (pages, False)
-    when the scratch was too short.
+    mass estimated from each page's best member (:func:`peak_pages`). ``extra[:n_extra]``:
+    bottom-level pages (a previous step's choice) ranked with the walk's pages whether the walk
+    reached them or not (the page path only; ``owner`` is the tree's page owners). Returns
+    (pages, False) when the scratch was too short.
     """
     g = queries.shape[0]
     if k < max_pages * PX.shape[1]:
@@ -269,6 +311,15 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
                                node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return np.empty(0, np.int32), False
+    if n_extra > 0:
+        V = np.empty((g, queries.shape[1]), np.float32)
+        for r in range(g):
+            for j in range(queries.shape[1]):
+                V[r, j] = queries[r, j] / norms[r]
+        kept = _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count,
+                           scratch_ids, scratch_pages, scratch_scores, kept)
+        if kept < 0:
+            return np.empty(0, np.int32), False
     runs, starts = page_runs(scratch_pages, kept)
     if merge == 1:
         return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
@@ -286,17 +337,18 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
 @njit(parallel=True, cache=True)
 def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
                         members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
-                        lens, ok, merge=0, scale=1.0):
+                        lens, ok, extras, n_extras, owners, merge=0, scale=1.0):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
     (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
     head's scratch come as tuples indexed by head. Writes head h's pages to
-    ``out[h, :lens[h]]``; ``ok[h]`` is False when its scratch was too short (nothing written)."""
+    ``out[h, :lens[h]]``; ``ok[h]`` is False when its scratch was too short (nothing written).
+    ``extras`` (H, E) with ``n_extras`` (H,) valid: each head's ``extra`` pages."""
     H = queries.shape[0]
     for h in prange(H):
         pages, good = select_group_shared(
             queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
             members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
-            sscs[h], merge, scale)
+            sscs[h], extras[h], n_extras[h], owners[h], merge, scale)
         ok[h] = good
         lens[h] = pages.shape[0]
         for i in range(pages.shape[0]):
