@@ -77,9 +77,10 @@ class Settings:
     # its pages (with token_pick: its candidates, picked anew by each step's query) while the
     # tree is unchanged
     search_every: int = 1
-    # a decode step ranks the previous step's pages beside those its index search reaches (a
-    # narrow beam then keeps what an earlier, wider search found while the queries still want it)
-    carry_pages: bool = False
+    # a decode step ranks the previous search's best carry_pages pages (at least its choice)
+    # beside those its index walk reaches: a narrow beam keeps what an earlier, wider search
+    # found while the queries still want it (0: off)
+    carry_pages: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -193,6 +194,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("token_pick", "must be 0 (off) or a whole number from 2 to 16")
     if not 1 <= s.search_every <= 16:
         raise bad("search_every", "must be a whole number from 1 to 16")
+    if not 0 <= s.carry_pages <= 1024:
+        raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

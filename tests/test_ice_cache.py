@@ -324,8 +324,8 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     prepare_model("full", model)
 
 
-@pytest.mark.parametrize("pick,every,carry", [(4, 1, False), (0, 4, False), (4, 4, False), (0, 1, True),
-                                             (4, 1, True)])
+@pytest.mark.parametrize("pick,every,carry", [(4, 1, 0), (0, 4, 0), (4, 4, 0), (0, 1, 1), (0, 1, 80),
+                                             (4, 1, 8)])
 def test_token_pick_and_search_every_covering_everything_equal_full(pick, every, carry):
     """With room for every token, token_pick, reused searches (pages and picks) and carried
     pages decode exactly like the dense cache."""
@@ -530,10 +530,11 @@ def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
 
 
 def test_carry_pages_keeps_what_a_wider_search_found():
-    """``carry_pages``: a decode step ranks the layer's last choice beside what its own (narrow)
-    walk reaches. After an exact prompt-end search (``wide`` 1) the next narrow steps of the same
-    queries keep its pages; without the carry the narrow walk misses some (so the test can tell
-    them apart). The carried choice is the last step's, and a new build forgets it."""
+    """``carry_pages`` C: a decode step ranks the last search's best C pages (at least its
+    choice) beside what its own (narrow) walk reaches. After an exact prompt-end search (``wide``
+    1) the next narrow steps of the same queries keep its pages; without the carry the narrow
+    walk misses some (so the test can tell them apart). What is carried is the last step's
+    ranking, headed by its choice, and a new build forgets it."""
     from icecache.cache.selectors import make_selector
     from icecache.index.reference import exact_topk, ranked_pages
 
@@ -541,7 +542,7 @@ def test_carry_pages_keeps_what_a_wider_search_found():
 
     S, H, n, d = 8, 3, 6000, 32
     missed = 0
-    for carry in (True, False):
+    for carry in (6, 20, 0):
         s = IceSpec(page_size=S, budget_pages=6, carry_pages=carry,
                     index=IndexConfig(page_size=S, beam=2, beam_frac=0.0))
         sel = make_selector(s)
@@ -557,7 +558,8 @@ def test_carry_pages_keeps_what_a_wider_search_found():
                 got = sel.select(q, 6)
                 if carry:
                     assert [g.tolist() for g in got] == [e.tolist() for e in exact]
-                    assert sel.carried is got
+                    assert all(6 <= len(c) <= carry for c in sel.carried)  # as many as were scanned
+                    assert [c[:6].tolist() for c in sel.carried] == [g.tolist() for g in got]
                 else:
                     missed += any(g.tolist() != e.tolist() for g, e in zip(got, exact, strict=True))
                     assert sel.carried is None

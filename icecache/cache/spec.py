@@ -31,7 +31,7 @@ class IceSpec:
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     token_pick: int = 0  # dci: select token_pick x the pages, load the best tokens among them (0: off)
     search_every: int = 1  # dci: a decode step reuses the last search for up to this many steps
-    carry_pages: bool = False  # dci: a decode step ranks the last step's pages with its search's
+    carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property

@@ -15,11 +15,12 @@ step's search result while the tree is unchanged, for at most r steps in a row: 
 or with ``token_pick`` the same candidate pages, among which the step's own query picks its
 tokens. A step that inserts keys into the tree, a prefill step and a new budget search again.
 
-With ``carry_pages`` a decode step's search ranks the pages of the layer's previous choice (the
-prompt's last step's, then each decode step's; with ``token_pick`` the candidate pages) beside
-the pages its walk reaches, scored by the step's own queries. A page that an earlier, wider
+With ``carry_pages`` = C a decode step's search ranks the pages the layer's previous search
+ranked best (the prompt's last step's choice, then each decode step's best C, at least as many
+as it selects; with ``token_pick`` candidate pages) beside the pages its walk reaches, scored by
+the step's own queries; the step selects the head of that ranking. A page that an earlier, wider
 search found (the prompt's last steps search every key) stays while the queries still rank it
-among the best, however narrow the decode beam; a page they stop wanting drops out.
+among their best C, however narrow the decode beam; a page they stop wanting drops out.
 """
 
 from __future__ import annotations
@@ -68,9 +69,11 @@ class DCISelector(HeadIndexes):
         return DCITree(self.head_dim, self.spec.index, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        want = self.spec.token_pick * max_pages if self.picking else max_pages
+        ranked = self.carry(self.searched(queries, max(want, self.spec.carry_pages), wide))
+        pages = ranked if self.spec.carry_pages <= want else [p[:want] for p in ranked]
         if not self.picking:
-            return self.carry(self.searched(queries, max_pages, wide))
-        pages = self.carry(self.searched(queries, self.spec.token_pick * max_pages, wide))
+            return pages
         take = max_pages * self.spec.page_size
         return [self.as_picks(h, picked(tree, queries[h], pages[h], take), max_pages)
                 for h, tree in enumerate(self.indexes)]
@@ -110,8 +113,8 @@ class DCISelector(HeadIndexes):
         return select_layer(self.indexes, queries, k, max_pages, wide, extra)
 
     def carry(self, pages: list[np.ndarray]) -> list[np.ndarray]:
-        """Remember ``pages`` (a choice's tree pages per KV head) for the next search's ranking."""
-        if self.spec.carry_pages:
+        """Remember ``pages`` (a search's ranked tree pages per KV head) for the next search."""
+        if self.spec.carry_pages > 0:
             self.carried = pages
         return pages
 
