@@ -93,6 +93,8 @@ class Settings:
     # indexed keys (1: all of them, an exact search; their pages decide the first answer token)
     tail_beam_frac: float = 1.0
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
+    # sparse prefill: DCI-tree nodes a chunk's search expands per level (0: index_beam)
+    prefill_beam: int = 0
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
     host_dtype: str = "auto"  # the host store's: auto = float16 for a float32 model, else the model's
@@ -194,6 +196,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("token_pick", "must be 0 (off) or a whole number from 2 to 16")
     if not 1 <= s.search_every <= 16:
         raise bad("search_every", "must be a whole number from 1 to 16")
+    if s.prefill_beam < 0:
+        raise bad("prefill_beam", "must be 0 (the index_beam) or more")
     if not 0 <= s.carry_pages <= 1024:
         raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
     if s.index_pages not in ("projection", "similar"):

@@ -154,6 +154,7 @@ def ice_spec(settings: Settings, method: Method):
         prefill_pages=settings.prefill_budget // settings.page_size,
         tail_pages=min(settings.tail_budget, settings.prefill_budget) // settings.page_size,
         tail_beam_frac=settings.tail_beam_frac,
+        prefill_beam=settings.prefill_beam,
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,

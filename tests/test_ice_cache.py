@@ -567,3 +567,33 @@ def test_carry_pages_keeps_what_a_wider_search_found():
             sel.build(torch.from_numpy(keys), 0, n, n + 64)
             assert sel.carried is None
     assert missed
+
+
+def test_prefill_beam_widens_only_the_prefill_search():
+    """``prefill_beam``: a sparse prefill's chunk search expands that many nodes per level (here
+    every node: the exact pages) while decode steps keep the narrow index beam."""
+    from icecache.cache.selectors import make_selector
+    from icecache.index.reference import exact_topk, ranked_pages
+
+    from .test_index import clustered
+
+    S, H, n, d = 8, 3, 6000, 32
+    keys = np.stack([clustered(n, d=d, clusters=60, seed=30 + h) for h in range(H)]).astype(np.float32)
+    narrow_missed = 0
+    for beam in (0, n):
+        s = IceSpec(page_size=S, budget_pages=6, prefill_beam=beam,
+                    index=IndexConfig(page_size=S, beam=2, beam_frac=0.0))
+        sel = make_selector(s)
+        sel.build(torch.from_numpy(keys), 0, n, n + 64)
+        for trial in range(4):
+            q = np.stack([clustered(1, d=d, clusters=60, seed=40 + 7 * trial + h) for h in range(H)]).astype(np.float32)
+            exact = [ranked_pages(exact_topk(keys[h], q[h, 0], 6 * S).astype(np.int32), sel.indexes[h].tok_page, 6)
+                     for h in range(H)]
+            chunk = [c.tolist() for c in sel.select_prefill(q, 6)]
+            step = [c.tolist() for c in sel.select(q, 6)]
+            if beam:
+                assert chunk == [list(e) for e in exact]
+            narrow_missed += step != [list(e) for e in exact]
+            if not beam:
+                assert chunk == step  # the same narrow search
+    assert narrow_missed

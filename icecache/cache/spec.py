@@ -25,6 +25,7 @@ class IceSpec:
     sparse_prefill: bool = False  # chunks after the first attend to sink + selected pages + window
     prefill_pages: int = 64  # sparse prefill: pages a chunk selects per KV head
     tail_pages: int = 16  # sparse prefill: pages a prompt-end step selects per KV head
+    prefill_beam: int = 0  # sparse prefill: nodes per level a chunk's search expands (0: the index's beam)
     tail_beam_frac: float = 1.0  # sparse prefill: share of the keys a prompt-end step's search covers
     chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages

@@ -84,8 +84,12 @@ class DCISelector(HeadIndexes):
         table serves every step). Tokens picked for a chunk's few choosing positions lost 16k
         passkeys that whole pages kept; picked at the prompt's last steps, they lost 32k and 64k
         passkeys that pages there (and picks after them) found (docs/results.md, sessions 18
-        and 19)."""
+        and 19). ``prefill_beam`` (nodes per level, when set) widens the search to at least
+        that beam."""
         self.held = None
+        n = max((tree.n for tree in self.indexes), default=0)
+        if self.spec.prefill_beam and n:  # nodes per level, as a share of the keys
+            wide = max(wide, self.spec.prefill_beam / n)
         pages = self.carry(self.select_pages(queries, max_pages, wide))
         if not self.picking:
             return pages
