@@ -246,21 +246,29 @@ def test_select_group_merges_per_query_pages():
         assert got.tolist() == ref.tolist()
 
 
-def test_a_wide_search_is_exact_on_a_narrow_tree():
-    """``wide=1`` (the sparse prefill's prompt-end steps) makes a narrow-beam tree's selection
-    the exact one, per tree and through the layer's parallel walk; without it the narrow beam
-    misses pages on these keys (so the test can tell the two apart)."""
-    from icecache.index.walk import select_layer
-
-    trees, refs, narrow = [], [], []
+def narrow_trees():
+    """Three narrow-beam trees (one per KV head) on clustered keys, a group of 3 queries each,
+    and per head each query's exact ranked pages (8 of 16 keys)."""
+    trees, lists = [], []
     queries = np.stack([clustered(3, d=32, clusters=40, seed=20 + h) for h in range(3)])
     for h in range(3):
         keys = clustered(8000, d=32, clusters=40, seed=10 + h)
         t = DCITree(32, IndexConfig(page_size=16, beam=4, beam_frac=0.0))
         t.insert(keys)
         trees.append(t)
-        refs.append(merge_group_pages(
-            [ranked_pages(exact_topk(keys, q, 128).astype(np.int32), t.tok_page, 8) for q in queries[h]], 8))
+        lists.append([ranked_pages(exact_topk(keys, q, 128).astype(np.int32), t.tok_page, 8) for q in queries[h]])
+    return trees, queries, lists
+
+
+def test_a_wide_search_is_exact_on_a_narrow_tree():
+    """``wide=1`` (the sparse prefill's prompt-end steps) makes a narrow-beam tree's selection
+    the exact one, per tree and through the layer's parallel walk; without it the narrow beam
+    misses pages on these keys (so the test can tell the two apart)."""
+    from icecache.index.walk import select_layer
+
+    trees, queries, lists = narrow_trees()
+    refs, narrow = [merge_group_pages(per_query, 8) for per_query in lists], []
+    for h, t in enumerate(trees):
         assert t.beam_for(1.0) >= t.n and t.beam_for(0.0) == 4
         assert t.select_group(queries[h], 128, 8, 1.0).tolist() == refs[h].tolist()
         narrow.append(t.select_group(queries[h], 128, 8).tolist() == refs[h].tolist())
@@ -276,16 +284,11 @@ def test_extra_pages_are_ranked_with_the_walks_pages():
     nothing, and a duplicated or retired extra is harmless."""
     from icecache.index.walk import select_layer
 
-    trees, refs, extras, narrow = [], [], [], []
-    queries = np.stack([clustered(3, d=32, clusters=40, seed=20 + h) for h in range(3)])
-    for h in range(3):
-        keys = clustered(8000, d=32, clusters=40, seed=10 + h)
-        t = DCITree(32, IndexConfig(page_size=16, beam=4, beam_frac=0.0))
-        t.insert(keys)
-        trees.append(t)
-        lists = [ranked_pages(exact_topk(keys, q, 128).astype(np.int32), t.tok_page, 8) for q in queries[h]]
-        refs.append(merge_group_pages(lists, 8))
-        extras.append(np.concatenate(lists))  # duplicates across the queries' lists
+    trees, queries, lists = narrow_trees()
+    refs = [merge_group_pages(per_query, 8) for per_query in lists]
+    extras = [np.concatenate(per_query) for per_query in lists]  # duplicates across the queries' lists
+    narrow = []
+    for h, t in enumerate(trees):
         plain = t.select_group(queries[h], 128, 8)
         narrow.append(plain.tolist() == refs[h].tolist())
         assert t.select_group(queries[h], 128, 8, extra=extras[h]).tolist() == refs[h].tolist()

@@ -15,25 +15,31 @@ from .pages import group_pages, merge_ranked
 from .query import topk_indices
 
 
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _scan_page(pg, V, PX, members, count, out_ids, out_pages, out_scores, m):
+    """Page ``pg``'s members scored against every row of ``V`` (g, d), appended from row ``m``;
+    returns the new row count. The last column of the transformed keys is not read: the
+    queries' is zero."""
+    g, D = V.shape
+    for s in range(count[pg]):
+        for r in range(g):
+            acc = np.float32(0.0)
+            for d in range(D):
+                acc += PX[pg, s, d] * V[r, d]
+            out_scores[m, r] = acc
+        out_ids[m] = members[pg, s]
+        out_pages[m] = pg
+        m += 1
+    return m
+
+
 @njit(nogil=True, cache=True, fastmath=True)
 def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_ids, out_pages,
                       out_scores, m):
-    """All children of ``node`` scored against every row of ``V`` (g, d): one read per page.
-
-    The last column of the transformed keys is not read: the queries' is zero.
-    """
-    g, D = V.shape
+    """All children of ``node`` scored against every row of ``V`` (g, d): one read per page."""
     pg = first_page[node]
     while pg >= 0:
-        for s in range(count[pg]):
-            for r in range(g):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += PX[pg, s, d] * V[r, d]
-                out_scores[m, r] = acc
-            out_ids[m] = members[pg, s]
-            out_pages[m] = pg
-            m += 1
+        m = _scan_page(pg, V, PX, members, count, out_ids, out_pages, out_scores, m)
         pg = next_page[pg]
     return m
 
@@ -253,7 +259,6 @@ def _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count, s
     if top_level <= 0:
         return kept
     stamp = mark[0]
-    g, D = V.shape
     rows = scratch_ids.shape[0]
     m = kept
     for e in range(n_extra):
@@ -270,15 +275,7 @@ def _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count, s
             continue
         if m + count[pg] > rows:
             return -1
-        for s in range(count[pg]):
-            for r in range(g):
-                acc = np.float32(0.0)
-                for d in range(D):
-                    acc += PX[pg, s, d] * V[r, d]
-                scratch_scores[m, r] = acc
-            scratch_ids[m] = members[pg, s]
-            scratch_pages[m] = pg
-            m += 1
+        m = _scan_page(pg, V, PX, members, count, scratch_ids, scratch_pages, scratch_scores, m)
     return m
 
 
