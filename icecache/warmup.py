@@ -1,11 +1,12 @@
-"""Compile the numba kernels ahead of the first run.
+"""Compile the numba kernels (and convert the embedded model) ahead of the first run.
 
 numba compiles a kernel on its first call and caches the machine code on disk (``cache=True``,
 next to the sources), so only the first run after an install pays it: tens of seconds on two
 cores, in front of the user. ``make setup`` runs ``python -m icecache.warmup`` once, so that
 ``icecache summarize`` with the ice cache starts as fast as with the dense one. The layer walk
 over all KV heads (:func:`~icecache.index.walk.select_layer`) is compiled per head count: the
-common ones are done here, another compiles on its first use.
+common ones are done here, another compiles on its first use. It also converts the embedded
+GGUF into the cache folder (:func:`convert_embedded`), which the first run would otherwise do.
 """
 
 from __future__ import annotations
@@ -72,11 +73,26 @@ def compile_cache() -> None:
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
 
 
+def convert_embedded() -> None:
+    """The embedded GGUF converted once into the cache folder (otherwise the first run does it)."""
+    from .errors import ModelError
+    from .models import resolve_model_source
+
+    def say(msg: str) -> None:
+        print(f"icecache: {msg}", file=sys.stderr)
+
+    try:
+        resolve_model_source(None, say)
+    except ModelError as e:  # the embedded model is not installed: a run with --model still works
+        say(f"embedded model not converted ({e})")
+
+
 def main() -> None:
     t0 = time.perf_counter()
     compile_cache()
     compile_index()
     print(f"icecache: numba kernels compiled and cached ({time.perf_counter() - t0:.0f} s)", file=sys.stderr)
+    convert_embedded()
 
 
 if __name__ == "__main__":

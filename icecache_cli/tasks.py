@@ -39,11 +39,12 @@ WAIT_NOTICE_S = 1.0  # an input that has given nothing for this long gets a line
 
 
 def _input_source(file: str | None) -> str:
-    """FILE, or stdin when piped; a terminal with no FILE prints help."""
+    """FILE, or stdin when piped; a terminal with no FILE prints help. A closed stdin fails here,
+    before the model source is resolved (a first run converts the embedded model there)."""
+    if sys.stdin is None and file in (None, "-"):  # started with stdin closed (`<&-`)
+        raise InputError("stdin is closed: give FILE, or pipe the document in")
     if file is not None:
         return file
-    if sys.stdin is None:  # started with stdin closed (`<&-`)
-        raise InputError("stdin is closed: give FILE, or pipe the document in")
     if not sys.stdin.isatty():
         return "-"
     ctx = typer.get_current_context()

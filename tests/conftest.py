@@ -19,6 +19,19 @@ EXAMPLE = REPO / "docs" / "examples" / "harbor-report.txt"
 
 
 @pytest.fixture(scope="session")
+def quick_profile(tmp_path_factory) -> str:
+    """The cpu profile with ``prefill_queries: 4``: a sparse prefill steps the prompt's last 8
+    tokens one by one instead of 32, for CLI tests whose prompts are a few hundred tokens."""
+    import yaml
+
+    data = yaml.safe_load((REPO / "profiles" / "cpu.yaml").read_text(encoding="utf-8"))
+    data.update(name="cpu-quick", prefill_queries=4)
+    path = tmp_path_factory.mktemp("profiles") / "cpu-quick.yaml"
+    path.write_text(yaml.safe_dump(data), encoding="utf-8")
+    return str(path)
+
+
+@pytest.fixture(scope="session")
 def cpu_settings():
     from icecache.config import resolve_settings
 

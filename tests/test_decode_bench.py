@@ -41,7 +41,7 @@ def test_interleaved_rounds_decode_as_each_method_alone(loaded, cpu_settings):
     assert set(rows[1].breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
 
 
-def test_bench_command_both_kv_routes(tmp_path):
+def test_bench_command_both_kv_routes(tmp_path, quick_profile):
     """`icecache bench --ctx`: a context under --full-prefill-max from the shared full prefill,
     one over it from the ice sparse prefill; every row measured, ratios to full and dense."""
     import json
@@ -49,7 +49,8 @@ def test_bench_command_both_kv_routes(tmp_path):
     from .conftest import run_cli
 
     r = run_cli(["bench", "--ctx", "300,700", "--methods", "full,dense,ice", "--decode-steps", "2",
-                 "--full-prefill-max", "400", "--budget", "64", "--out", str(tmp_path), "--json"])
+                 "--full-prefill-max", "400", "--budget", "64", "--out", str(tmp_path), "--json",
+                 "--profile", quick_profile])
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
     assert [(x["method"], x["ctx"]) for x in rows] == [
@@ -75,13 +76,13 @@ def test_bench_command_both_kv_routes(tmp_path):
     assert row["status"] == "over time cap" and row["tpot_ms"] is None and "> 0 s" in row["reason"]
 
 
-def test_bench_prefill_modes(tmp_path):
+def test_bench_prefill_modes(tmp_path, quick_profile):
     import json
 
     from .conftest import run_cli
 
     r = run_cli(["bench", "prefill", "--ctx", "300,500", "--modes", "full,ice,ice-serial,sparse",
-                 "--chunk-size", "128", "--json"])
+                 "--chunk-size", "128", "--json", "--profile", quick_profile])
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
     assert [(x["mode"], x["ctx"]) for x in rows] == [
@@ -119,7 +120,7 @@ def test_bench_skips_what_cannot_fit_and_hands_rows_over_as_measured(loaded, cpu
         assert r.device_kv_bytes + r.host_kv_bytes <= need.total, r.method
 
 
-def test_bench_positions_measured_side_by_side():
+def test_bench_positions_measured_side_by_side(quick_profile):
     """`icecache bench --positions remap,true`: each positions value gets its own prefill and
     rows in one run (labelled with the session's choice), and a line compares their TPOT and
     prefill tokens/s; a bad value is a usage error before the model loads."""
@@ -128,7 +129,7 @@ def test_bench_positions_measured_side_by_side():
     from .conftest import run_cli
 
     r = run_cli(["bench", "--ctx", "700", "--methods", "ice", "--decode-steps", "2", "--full-prefill-max",
-                 "400", "--budget", "64", "--positions", "remap,true", "--json"])
+                 "400", "--budget", "64", "--positions", "remap,true", "--json", "--profile", quick_profile])
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
     assert [(x["method"], x["positions"], x["kv_source"]) for x in rows] == [

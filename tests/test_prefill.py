@@ -196,13 +196,13 @@ def test_sparse_prefill_passkey_like_full_prefill(cpu_settings, loaded):
     assert results["streaming"][1] == 0.0
 
 
-def test_cli_sparse_prefill_json_memory_and_refusal():
+def test_cli_sparse_prefill_json_memory_and_refusal(quick_profile):
     import json
 
     from .conftest import EXAMPLE, run_cli
 
     r = run_cli(["summarize", str(EXAMPLE), "--method", "ice", "--prefill", "sparse", "--chunk-size",
-                 "256", "--budget", "64", "--max-new-tokens", "8", "--json"])
+                 "256", "--budget", "64", "--max-new-tokens", "8", "--json", "--profile", quick_profile])
     assert r.returncode == 0, r.stderr.decode()
     doc = json.loads(r.stdout)
     mem = doc["memory"]
@@ -245,26 +245,33 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
 
     tok = loaded.tokenizer
     ids = tok(generated_text(900, seed=11))["input_ids"][:1400]
+    # prefill_queries 4: the prompt's last 8 tokens run as held tail steps (16 in the profile; the
+    # fork's handling of them does not depend on how many)
     base = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256, dense_window=512,
-                                positions=positions, token_pick=pick)
+                                positions=positions, token_pick=pick, prefill_queries=4)
+    steps = 12
     want = {}
     for budget in (32, 128):
         s = Session(loaded, base.replace(budget=budget), method)
-        want[budget] = s.generate(ids, 24)[0]
+        want[budget] = s.generate(ids, steps)[0]
     assert want[32] != want[128]  # the budget matters here, so equality below means something
     session = Session(loaded, base.replace(budget=128), method)
-    session.new_tokens = 24
+    session.new_tokens = steps
     logits, _ = session.prefill(ids, hold_tail=True)  # the prompt's last tokens not stepped yet
     assert logits is None and session.positions == positions
     twin = session.fork(base.replace(budget=32))  # carries the tail, steps it itself
-    assert twin.decode(twin.finish_prefill(), 24)[0] == want[32]
+    stores = [(a.store, b.store) for a, b in zip(session.cache.ice_layers(), twin.cache.ice_layers(), strict=True)]
+    assert all(a.keys.data_ptr() == b.keys.data_ptr() for a, b in stores)  # shared until written
+    assert twin.decode(twin.finish_prefill(), steps)[0] == want[32]
+    # its 20 steps offloaded a window page per layer: into its own copies, the session's untouched
+    assert all(a.keys.data_ptr() != b.keys.data_ptr() and b.rows > a.rows for a, b in stores)
     again = session.fork(base.replace(budget=128))  # the fork left the prefilled session as it was
-    assert again.decode(again.finish_prefill(), 24)[0] == want[128]
+    assert again.decode(again.finish_prefill(), steps)[0] == want[128]
     done = session.fork(base.replace(budget=128))
     tail_logits = done.finish_prefill()  # the tail stepped, nothing generated yet: eval forks here
     after = done.fork(base.replace(budget=32))
-    assert after.decode(tail_logits.clone(), 24)[0] == want[32]
-    assert session.decode(session.finish_prefill(), 24)[0] == want[128]
+    assert after.decode(tail_logits.clone(), steps)[0] == want[32]
+    assert session.decode(session.finish_prefill(), steps)[0] == want[128]
     with pytest.raises(ValueError, match="only a prefilled cache"):
         session.fork(base.replace(budget=32))  # it decoded since
     with pytest.raises(ValueError, match="budget only"):

@@ -8,6 +8,8 @@ the flattened store (:meth:`flat`, head ``h`` starting at row ``h * capacity``).
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from .backend import TorchBackend
@@ -22,18 +24,31 @@ class HostStore:
         self.keys = backend.host_empty((heads, capacity, head_dim), dtype)
         self.values = backend.host_empty((heads, capacity, head_dim), dtype)
 
+    _shared = False  # keys/values shared with a copy: the next append copies them first
+
+    def __deepcopy__(self, memo) -> HostStore:
+        """A copy sharing the stored rows (a forked cache's store: filled rows never change,
+        and each side's next :meth:`append` writes into its own copy)."""
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin.backend = copy.deepcopy(self.backend, memo)
+        self._shared = twin._shared = True
+        return twin
+
     def append(self, keys: torch.Tensor, values: torch.Tensor) -> None:
         """Rows (heads, m, head_dim) after the filled ones; a full store grows by a quarter
-        (a long document leaves little slack) or by what the rows need."""
+        (a long document leaves little slack) or by what the rows need. A store shared with a
+        copy takes its own buffers first."""
         m = keys.shape[1]
-        if self.rows + m > self.capacity:
-            cap = self.rows + m + max(self.capacity // 4, 4 * m)
+        if self.rows + m > self.capacity or self._shared:
+            cap = self.capacity if self.rows + m <= self.capacity else self.rows + m + max(self.capacity // 4, 4 * m)
             for name in ("keys", "values"):
                 old = getattr(self, name)
                 new = self.backend.host_empty((self.heads, cap, self.head_dim), self.dtype)
                 new[:, : self.rows] = old[:, : self.rows]
                 setattr(self, name, new)
             self.capacity = cap
+            self._shared = False
         self.keys[:, self.rows : self.rows + m] = keys
         self.values[:, self.rows : self.rows + m] = values
         self.rows += m

@@ -19,6 +19,8 @@ scratch: 450-600 B, i.e. about 2x the raw key (256 B); measured figures are prin
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 
 from . import kernels, walk
@@ -54,6 +56,30 @@ class DCITree:
         # Pages for ~80% fill (bulk builds fill pages; later inserts split them; the page arrays
         # then grow by a quarter). A page's transformed keys are most of the index's memory.
         self._alloc_pages(max(16, capacity * 5 // (4 * self.cfg.page_size)))
+
+    # -- copies -----------------------------------------------------------------------------
+    _shared = False  # arrays shared with a copy (:meth:`__deepcopy__`): copied before any write
+
+    def __deepcopy__(self, memo) -> DCITree:
+        """A copy that shares this tree's arrays until either side inserts or refines.
+
+        A forked cache (:meth:`IceCache.forked`) holds a tree per KV head and layer, mostly
+        the page-major keys: copied at once, a 128k prompt's fork doubled the process's memory.
+        Queries never write the tree (their scratch is per copy), and every write goes through
+        :meth:`insert` or :meth:`refine`, which first take their own copy (:meth:`_own`).
+        """
+        twin = copy.copy(self)
+        memo[id(self)] = twin
+        twin._sid, twin._ssc = np.empty_like(self._sid), np.empty_like(self._ssc)
+        self._shared = twin._shared = True
+        return twin
+
+    def _own(self) -> None:
+        """Before a write: this tree's own copy of whatever it still shares."""
+        if self._shared:
+            state = {k: v for k, v in vars(self).items() if k != "_shared"}
+            self.__dict__.update(copy.deepcopy(state))
+            self._shared = False
 
     # -- storage ----------------------------------------------------------------------------
     POINT_ARRAYS = ("sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
@@ -164,6 +190,7 @@ class DCITree:
         keys = np.ascontiguousarray(keys, dtype=np.float32)
         if keys.ndim != 2 or keys.shape[1] != self.d:
             raise ValueError(f"keys must be (m, {self.d}), got {keys.shape}")
+        self._own()
         m = keys.shape[0]
         if positions is None:
             positions = np.arange(self.n, self.n + m)
@@ -209,6 +236,7 @@ class DCITree:
         """
         if self.top_level < 1 or passes <= 0:
             return 0
+        self._own()
         level1 = np.sort(self._level_ids(1))  # their node ids are + 1
         if not len(level1):
             return 0
