@@ -40,8 +40,9 @@ class HostStore:
         (a long document leaves little slack) or by what the rows need. A store shared with a
         copy takes its own buffers first."""
         m = keys.shape[1]
-        if self.rows + m > self.capacity or self._shared:
-            cap = self.capacity if self.rows + m <= self.capacity else self.rows + m + max(self.capacity // 4, 4 * m)
+        full = self.rows + m > self.capacity
+        if full or self._shared:
+            cap = self.rows + m + max(self.capacity // 4, 4 * m) if full else self.capacity
             for name in ("keys", "values"):
                 old = getattr(self, name)
                 new = self.backend.host_empty((self.heads, cap, self.head_dim), self.dtype)
