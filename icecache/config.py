@@ -30,7 +30,7 @@ HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
 REMAP_PAGES = ("ordered", "one", "scaled", "spread")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
-WEIGHT_FORMATS = ("float", "int8")  # icecache.weights
+WEIGHT_FORMATS = ("float", "int8", "int4")  # icecache.weights
 MAX_THREADS = 256
 
 
@@ -50,8 +50,9 @@ class Settings:
     host_memory_gib: float = 16.0
     cpu_threads: int = 0  # 0: one per core
     dtype: str = "float32"
-    # the linear layers' weights: "float" (the model's dtype) or "int8" (one scale per output
-    # channel, activations in dtype; icecache.weights)
+    # the linear layers' weights: "float" (the model's dtype), "int8" (one scale per output
+    # channel) or "int4" (groups of 32 inputs with a step and a minimum each, the LM head kept
+    # in dtype); activations in dtype (icecache.weights)
     weights: str = "float"
     page_size: int = 16
     budget: int = 256

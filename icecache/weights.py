@@ -1,14 +1,27 @@
 """Weight formats for the model's linear layers (the ``weights`` setting).
 
 ``float``: the model's own dtype (nothing changes). ``int8``: weight-only quantization with one
-float scale per output channel (symmetric, round to nearest); activations stay in the model's
-dtype outside the layer. A decode step multiplies one row by every weight matrix, so it is bound
-by reading the weights: int8 reads a quarter of float32's bytes. The product is torch's own CPU
-kernel (``aten._weight_int8pack_mm``); for many rows at once (a prefill chunk) the matrix is
-widened to bfloat16, block by block of output channels, and multiplied as usual, where a dense
-product beats the weight-only kernel.
+float scale per output channel (symmetric, round to nearest), the LM head included. ``int4``:
+four-bit values in groups of 32 inputs, each group with its own scale and minimum (asymmetric,
+round to nearest); the LM head keeps the model's dtype. Activations stay in the model's dtype
+outside the layers.
 
-:func:`dequantized` is the plain reference the tests compare :class:`Int8Linear` with.
+A decode step multiplies one row by every weight matrix, so it is bound by reading the weights:
+int8 reads a quarter of float32's bytes, int4 an eighth. The products are torch's own CPU kernels
+(``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``); for many rows at once (a
+prefill chunk) the matrix is widened to bfloat16, block by block of output channels, and
+multiplied as usual, where a dense product beats the weight-only kernels.
+
+Why int4 keeps the answers: a Q4_1 GGUF (the embedded model's) stores every linear weight as
+``d * q + m`` in blocks of 32 inputs, with q in 0..15. Groups of 32 with their own minimum and
+step find those values again exactly, so the int4 layers hold the file's own weights; what differs
+from the float path is the bfloat16 rounding of the products. The LM head comes from the file's
+Q8_0 token embedding, which four bits cannot hold, and its logits choose every token: it stays
+float (docs/results.md, session 27: teacher-forced agreement with the float model 0.995 with a
+float head, 0.985 with an int8 one).
+
+:func:`dequantized` and :func:`dequantized_groups` are the plain references the tests compare
+:class:`Int8Linear` and :class:`Int4Linear` with.
 """
 
 from __future__ import annotations
@@ -25,7 +38,7 @@ from .config import WEIGHT_FORMATS
 # model's dtype.
 COMPUTE = torch.bfloat16
 
-# Up to this many rows the weight-only kernel runs; above it, the widened product (measured at
+# Up to this many rows the weight-only kernels run; above it, the widened product (measured at
 # 1 row and at 2048: the kernel wins the first, the widened product the second; the crossover
 # between them was not measured).
 ROWS_INT8_KERNEL = 16
@@ -82,16 +95,122 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+
+
+# int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
+# multiples of 16
+GROUP = 32
+INT4_OUT_MULTIPLE = 16
+
+
+def quantize_groups(weight: torch.Tensor, group: int = GROUP) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(q, step, low): ``q`` int32 in 0..15 shaped like ``weight``, ``step`` and ``low`` float32
+    per output channel and group of ``group`` inputs, with ``weight ~= q * step + low``. A group's
+    smallest weight is ``low`` and its largest ``low + 15 * step`` (both exact up to float
+    rounding); a group of equal weights gets step 1 and q 0."""
+    w = weight.detach().float()
+    n, k = w.shape
+    wg = w.reshape(n, k // group, group)
+    low, high = wg.amin(-1), wg.amax(-1)
+    step = (high - low) / 15
+    step = torch.where(step > 0, step, torch.ones_like(step))
+    q = torch.clamp(torch.round((wg - low[..., None]) / step[..., None]), 0, 15).to(torch.int32)
+    return q.reshape(n, k).contiguous(), step.contiguous(), low.contiguous()
+
+
+def dequantized_groups(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                       dtype: torch.dtype = torch.float32, group: int = GROUP) -> torch.Tensor:
+    """The float matrix an int4 weight stands for (the reference)."""
+    n, k = q.shape
+    w = q.reshape(n, k // group, group).float() * step.float()[..., None] + low.float()[..., None]
+    return w.reshape(n, k).to(dtype)
+
+
+def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """Two 4-bit values per byte: column 2j in the low half, 2j + 1 in the high half."""
+    q = q.to(torch.uint8)
+    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
+
+
+def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
+    """The inverse of :func:`pack_nibbles` (uint8 values 0..15)."""
+    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1)
+
+
+def int4_fits(linear: nn.Linear) -> bool:
+    """Whether torch's int4 kernel takes this layer's shape."""
+    return linear.in_features % GROUP == 0 and linear.out_features % INT4_OUT_MULTIPLE == 0
+
+
+class Int4Linear(nn.Module):
+    """A linear layer with 4-bit weights in groups of :data:`GROUP` inputs, each group with its
+    own step and minimum."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        if not int4_fits(linear):
+            raise ValueError(f"int4 needs inputs in multiples of {GROUP} and outputs in multiples of "
+                             f"{INT4_OUT_MULTIPLE} (got {linear.in_features} -> {linear.out_features})")
+        q, step, low = quantize_groups(linear.weight)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        # the kernel's own layout and its (step, offset) table: it computes (q - 8) * step + offset
+        self.register_buffer("kernel_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(q, 2),
+                             persistent=False)
+        table = torch.stack([step, low + 8 * step], dim=-1).transpose(0, 1).contiguous().to(COMPUTE)
+        self.register_buffer("kernel_table", table, persistent=False)
+        # the same values two to a byte, for the many-row product
+        self.register_buffer("nibbles", pack_nibbles(q), persistent=False)
+        self.register_buffer("step", step, persistent=False)
+        self.register_buffer("low", low, persistent=False)
+        bias = linear.bias
+        self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
+        self.act_dtype = linear.weight.dtype
+
+    def weight_block(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
+        """Output channels ``lo:hi`` of the weight, widened to ``dtype``."""
+        return dequantized_groups(unpack_nibbles(self.nibbles[lo:hi]), self.step[lo:hi], self.low[lo:hi], dtype)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        xc = x.reshape(-1, shape[-1]).to(COMPUTE).contiguous()
+        if xc.shape[0] <= ROWS_INT8_KERNEL:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.kernel_weight, GROUP, self.kernel_table)
+        else:
+            y = torch.empty(xc.shape[0], self.out_features, dtype=COMPUTE, device=xc.device)
+            for lo in range(0, self.out_features, WIDEN_BLOCK):
+                hi = min(self.out_features, lo + WIDEN_BLOCK)
+                torch.matmul(xc, self.weight_block(lo, hi, COMPUTE).T, out=y[:, lo:hi])
+        y = y.to(self.act_dtype)
+        if self.bias is not None:
+            y = y + self.bias.to(y.dtype)
+        return y.reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
+
+
+def _head_names(model: nn.Module) -> set[str]:
+    """The module names of the model's output projection (the LM head), if it says which."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    if head is None:
+        return set()
+    return {name for name, mod in model.named_modules() if mod is head}
+
+
 def quantize_model(model: nn.Module, fmt: str) -> int:
-    """Replace the linear layers of ``model`` (the LM head included) in format ``fmt``; returns
-    how many were replaced. ``float`` leaves the model as it is."""
+    """Replace the linear layers of ``model`` in format ``fmt``; returns how many were replaced.
+    ``float`` leaves the model as it is; ``int8`` replaces every linear layer, the LM head
+    included; ``int4`` every one whose shape its kernel takes, except the LM head."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format '{fmt}' (known: {', '.join(WEIGHT_FORMATS)})")
     if fmt == "float":
         return 0
-    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)]
+    heads = _head_names(model) if fmt == "int4" else set()
+    targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
+               and name not in heads and (fmt == "int8" or int4_fits(mod))]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod))
+        setattr(parent, child, Int8Linear(mod) if fmt == "int8" else Int4Linear(mod))
     return len(targets)

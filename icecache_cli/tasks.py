@@ -73,7 +73,8 @@ def read_input(source: str, quiet: bool = False) -> str:
 def set_threads(threads: int, reporter: Reporter) -> None:
     import torch
 
-    cores = os.cpu_count() or 1
+    # the cores this process may run on (taskset, a container's CPU set), not the machine's
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     if threads > cores:
         reporter.warn(f"profile asks for {threads} CPU threads, this machine has {cores}; using {cores}")
     torch.set_num_threads(min(threads, cores) if threads else cores)

@@ -95,3 +95,140 @@ def test_the_embedded_model_with_int8_weights_agrees_with_float(loaded, cpu_sett
         got = q(ids).logits[0]
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert agree >= 0.9, agree
+
+
+# --- int4: 4-bit values in groups of 32 inputs, a step and a minimum per group ---
+
+def _q4_1_like(out: int, inp: int, seed: int = 0) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF stores them: d * q + m per block of 32 inputs, q in 0..15, d and m
+    float16, every block using q = 0 and q = 15 (its minimum and maximum)."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = inp // W.GROUP
+    q = torch.randint(0, 16, (out, blocks, W.GROUP), generator=g)
+    q[..., 0], q[..., 1] = 0, 15
+    d = (torch.rand(out, blocks, 1, generator=g) * 0.02 + 1e-3).half().float()
+    m = (-torch.rand(out, blocks, 1, generator=g) * 0.1).half().float()
+    return (q * d + m).reshape(out, inp)
+
+
+def test_int4_groups_round_to_the_nearest_of_sixteen_levels():
+    lin = _linear(128, 48, False)
+    q, step, low = W.quantize_groups(lin.weight)
+    assert q.shape == (48, 128) and step.shape == low.shape == (48, 128 // W.GROUP)
+    assert int(q.min()) >= 0 and int(q.max()) <= 15
+    err = (W.dequantized_groups(q, step, low) - lin.weight.detach()).abs()
+    assert bool((err <= step.repeat_interleave(W.GROUP, dim=1) / 2 + 1e-6).all())
+    # a group's smallest and largest weights are kept
+    wg = lin.weight.detach().reshape(48, -1, W.GROUP)
+    back = W.dequantized_groups(q, step, low).reshape(48, -1, W.GROUP)
+    assert torch.allclose(back.amin(-1), wg.amin(-1), atol=1e-6)
+    assert torch.allclose(back.amax(-1), wg.amax(-1), atol=1e-6)
+
+
+def test_int4_finds_q4_1_weights_again_and_keeps_constant_groups():
+    w = _q4_1_like(32, 96)
+    w[5, :W.GROUP] = 0.25  # a group of equal weights
+    q, step, low = W.quantize_groups(w)
+    assert torch.allclose(W.dequantized_groups(q, step, low), w, rtol=0, atol=1e-6)
+    assert bool((W.dequantized_groups(q, step, low)[5, :W.GROUP] == 0.25).all())
+
+
+def test_nibbles_pack_two_values_per_byte_and_unpack_back():
+    q = torch.randint(0, 16, (7, 64), dtype=torch.int32)
+    p = W.pack_nibbles(q)
+    assert p.dtype == torch.uint8 and p.shape == (7, 32)
+    assert torch.equal(W.unpack_nibbles(p).int(), q)
+
+
+@pytest.mark.parametrize("rows", [1, 2, W.ROWS_INT8_KERNEL, W.ROWS_INT8_KERNEL + 1, 150])
+@pytest.mark.parametrize("bias", [False, True])
+def test_int4_linear_equals_the_dequantized_product(rows, bias, monkeypatch):
+    lin = _linear(96, 64, bias, seed=rows)
+    monkeypatch.setattr(W, "WIDEN_BLOCK", 16)  # several blocks in the many-row product
+    mod = W.Int4Linear(lin)
+    q, step, low = W.quantize_groups(lin.weight)
+    x = torch.randn(2, rows, 96)
+    # bfloat16 products with float32 sums: the reference rounds the input the same way and sums
+    # in float64; the tolerance is a few bfloat16 steps of the output (the kernel's step/offset
+    # table is bfloat16 too)
+    ref = x.to(W.COMPUTE).double() @ W.dequantized_groups(q, step, low).double().T
+    if bias:
+        ref = ref + lin.bias.detach().double()
+    got = mod(x)
+    assert got.shape == (2, rows, 64) and got.dtype == torch.float32
+    assert torch.allclose(got.double(), ref, atol=3e-2, rtol=1e-2)
+    full = lin(x).detach()
+    assert (got - full).abs().max() < 0.1 * full.abs().max()
+
+
+def test_int4_refuses_a_shape_its_kernel_cannot_take():
+    with pytest.raises(ValueError, match="multiples of 32"):
+        W.Int4Linear(nn.Linear(40, 32))
+    with pytest.raises(ValueError, match="multiples of 16"):
+        W.Int4Linear(nn.Linear(64, 24))
+
+
+class _TinyLM(nn.Module):
+    """A model with an output projection the way transformers' models name it."""
+
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 40), nn.ReLU(), nn.Linear(40, 64))
+        self.lm_head = nn.Linear(64, 48, bias=False)
+
+    def get_output_embeddings(self):
+        return self.lm_head
+
+    def forward(self, x):
+        return self.lm_head(self.body(x))
+
+
+def test_int4_model_keeps_the_lm_head_and_the_shapes_the_kernel_cannot_take():
+    torch.manual_seed(2)
+    model = _TinyLM()
+    x = torch.randn(3, 64)
+    before = model(x).detach()
+    # 64 -> 32 fits; 32 -> 40 has 40 outputs, 40 -> 64 has 40 inputs; the head stays
+    assert W.quantize_model(model, "int4") == 1
+    assert isinstance(model.body[0], W.Int4Linear)
+    assert all(type(model.body[i]) is nn.Linear for i in (2, 4)) and type(model.lm_head) is nn.Linear
+    after = model(x)
+    assert torch.allclose(after, before, atol=0.1 * before.abs().max().item())
+    # int8 takes every linear layer, the head included
+    model8 = _TinyLM()
+    assert W.quantize_model(model8, "int8") == 4
+    assert isinstance(model8.lm_head, W.Int8Linear)
+
+
+def test_int4_setting_is_checked():
+    assert resolve_settings("cpu", weights="int4").weights == "int4"
+    with pytest.raises(ProfileError, match="CPU only"):
+        resolve_settings("h100-80gb", weights="int4")
+
+
+def test_the_embedded_models_layers_are_held_exactly_in_int4(loaded):
+    """The embedded GGUF is Q4_1: every decoder linear layer is found again by int4 groups."""
+    head = loaded.model.get_output_embeddings()
+    checked = 0
+    for mod in loaded.model.modules():
+        if isinstance(mod, nn.Linear) and mod is not head:
+            q, step, low = W.quantize_groups(mod.weight)
+            assert torch.equal(W.dequantized_groups(q, step, low), mod.weight.detach())
+            checked += 1
+    assert checked == 7 * loaded.model.config.num_hidden_layers
+
+
+def test_the_embedded_model_with_int4_weights_agrees_with_float(loaded):
+    import copy
+
+    tok = loaded.tokenizer
+    ids = tok("The history of the printing press begins in the fifteenth century, when movable type "
+              "made books cheaper and faster to produce. Within fifty years, presses operated in "
+              "more than two hundred cities across Europe, and", return_tensors="pt")["input_ids"]
+    with torch.inference_mode():
+        ref = loaded.model(ids).logits[0]
+        q = copy.deepcopy(loaded.model)
+        assert W.quantize_model(q, "int4") == 7 * q.config.num_hidden_layers
+        got = q(ids).logits[0]
+    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    assert agree >= 0.95, agree
