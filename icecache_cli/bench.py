@@ -310,6 +310,7 @@ def decode(
                                          "'ice\\[token_pick=4]', 'ice\\[index_merge=mass,index_refine=2]'.")] = "full,ice",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Turns the methods take in order, each timing its share of the steps (A B A B ...): a drift of the machine's speed then slows every method alike (every method's cache is held at once). 1: each method's steps in one go, one cache at a time.")] = 4,
+    linears: Annotated[bool, typer.Option("--time-linears", help="Also time the linear layers (the LM head included) in the breakdown, by forward hooks (a few microseconds per layer more per step).")] = False,
     opts: BenchOptions = None,
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
@@ -337,12 +338,13 @@ def decode(
                 timed = []
                 for label, method, method_settings in variants:
                     rep.info(f"{label} at {n} tokens: decoding ...")
-                    timed.append(decode_bench.run(loaded, method_settings, method, n, steps=steps, shared=shared))
+                    timed.append(decode_bench.run(loaded, method_settings, method, n, steps=steps, shared=shared,
+                                                  linears=linears))
             else:  # every method's cache alive at once, taking turns
                 timers = []
                 for label, method, method_settings in variants:
                     rep.info(f"{label} at {n} tokens: warming up ...")
-                    timers.append(decode_bench.start(loaded, method_settings, method, shared))
+                    timers.append(decode_bench.start(loaded, method_settings, method, shared, linears=linears))
                 rep.info(f"decoding: {steps} timed steps per method in {turns} interleaved rounds ...")
                 timed = decode_bench.interleaved(timers, steps, turns)
                 del timers

@@ -41,6 +41,29 @@ def test_interleaved_rounds_decode_as_each_method_alone(loaded, cpu_settings):
     assert set(rows[1].breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
 
 
+def test_linear_clock_times_every_linear_layer_and_leaves_no_hook(loaded, cpu_settings):
+    model = loaded.model
+    n_linear = sum(1 for m in model.modules() if decode_bench.is_linear(m))
+    assert n_linear == 7 * model.config.num_hidden_layers + 1  # q k v o gate up down, LM head
+    settings = cpu_settings.replace(budget=64)
+    shared = decode_bench.prefill(loaded, settings, 300)
+    for method in ("full", "ice"):
+        t = decode_bench.start(loaded, settings, method, shared, linears=True)
+        t.advance(3)
+        r = t.result()
+        assert 0 < r.breakdown_ms["linears"] <= 1000 * sum(t.times) / len(t.times)
+        assert "rest_of_model" in r.breakdown_ms
+        assert ("index_query" in r.breakdown_ms) == (method == "ice")
+    # the hooks are gone once the timed steps are over
+    assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
+    full = decode_bench.start(loaded, settings, "full", shared)
+    full.session.activate()
+    with decode_bench.LinearClock(model) as clock:
+        assert len(clock._handles) == 2 * n_linear
+        full.advance(1)
+    assert clock.seconds > 0 and not any(m._forward_hooks for m in model.modules())
+
+
 def test_bench_command_both_kv_routes(tmp_path, quick_profile):
     """`icecache bench --ctx`: a context under --full-prefill-max from the shared full prefill,
     one over it from the ice sparse prefill; every row measured, ratios to full and dense."""
@@ -170,11 +193,13 @@ def test_bench_decode_command_rounds(rounds):
 
     from .conftest import run_cli
 
+    extra = ["--time-linears"] if rounds == "2" else []
     r = run_cli(["bench", "decode", "--ctx", "300", "--methods", "full,ice[search_every=2]", "--decode-steps", "3",
-                 "--rounds", rounds, "--budget", "64", "--json"])
+                 "--rounds", rounds, "--budget", "64", "--json"] + extra)
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
     assert [x["method"] for x in rows] == ["full", "ice[search_every=2]"]
     assert all(x["tpot_ms"] > 0 and x["ctx"] == 300 for x in rows)
     assert rows[0]["tpot_ratio_vs_full"] == 1.0 and rows[1]["host_kv_bytes"] > 0
     assert ("interleaved rounds" in r.stderr.decode()) == (rounds == "2")
+    assert all(("linears" in x["breakdown_ms"]) == bool(extra) for x in rows)

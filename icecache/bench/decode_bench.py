@@ -64,21 +64,61 @@ def prefill(loaded, settings, ctx: int, on_progress=None) -> Prefilled:
 
 
 def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 2,
-        on_progress=None, shared=None) -> DecodeResult:
-    """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from."""
+        on_progress=None, shared=None, linears: bool = False) -> DecodeResult:
+    """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from;
+    ``linears``: time the linear layers too (:class:`LinearClock`)."""
     pre = shared or prefill(loaded, settings, ctx, on_progress)
-    timer = start(loaded, settings, method, pre, warmup)
+    timer = start(loaded, settings, method, pre, warmup, linears)
     timer.advance(steps)
     return timer.result()
 
 
-def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2) -> DecodeTimer:
+def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2,
+          linears: bool = False) -> DecodeTimer:
     """A :class:`DecodeTimer` for ``method`` from a copy of the prefill ``pre`` (its warm-up
     steps done)."""
     ensure_warm(loaded, settings, [method])
     session = Session(loaded, settings, method)
     session.adopt(pre)
-    return DecodeTimer(session, pre.logits, pre.seconds, warmup)
+    return DecodeTimer(session, pre.logits, pre.seconds, warmup, linears=linears)
+
+
+def is_linear(module: torch.nn.Module) -> bool:
+    """A linear layer of the model: torch's own or a quantized one (icecache.weights)."""
+    from ..weights import Int4Linear, Int8Linear
+
+    return isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear))
+
+
+class LinearClock:
+    """While entered, sums the wall time spent inside the model's linear layers (the LM head
+    included), by forward hooks. On the CPU a layer's ops run before its forward returns, so
+    the time between its two hooks is the layer's own. The hooks add a few microseconds per
+    layer to the step outside what they time."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.seconds = 0.0
+        self._handles: list = []
+        self._t0 = 0.0
+
+    def _pre(self, _module, _args):
+        self._t0 = time.perf_counter()
+
+    def _post(self, _module, _args, _out):
+        self.seconds += time.perf_counter() - self._t0
+
+    def __enter__(self) -> LinearClock:
+        for mod in self.model.modules():
+            if is_linear(mod):
+                self._handles.append(mod.register_forward_pre_hook(self._pre))
+                self._handles.append(mod.register_forward_hook(self._post))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
 
 
 def interleaved(timers: list[DecodeTimer], steps: int, rounds: int) -> list[DecodeResult]:
@@ -108,8 +148,10 @@ class DecodeTimer:
     more; :meth:`result` sums up the timed steps so far."""
 
     def __init__(self, session, logits, prefill_s: float, warmup: int = 2, on_step=None,
-                 planned: int = 0):
+                 planned: int = 0, linears: bool = False):
         self.session, self.prefill_s, self.warmup = session, prefill_s, warmup
+        self.linears = linears  # also time the linear layers (LinearClock) in the timed steps
+        self.linears_s = 0.0
         self.on_step, self.planned = on_step, planned
         self.token = int(torch.argmax(logits))
         self.tokens: list[int] = []  # the greedy tokens fed so far
@@ -140,8 +182,14 @@ class DecodeTimer:
         """``steps`` more timed steps; the cache's counters over them join the breakdown."""
         self.session.activate()  # another timer's session may have used the model since
         s0 = _stats(self.session.cache)
-        for _ in range(steps):
-            self._step(timed=True)
+        if self.linears:
+            with LinearClock(self.session.loaded.model) as clock:
+                for _ in range(steps):
+                    self._step(timed=True)
+            self.linears_s += clock.seconds
+        else:
+            for _ in range(steps):
+                self._step(timed=True)
         s1 = _stats(self.session.cache)
         if s0 and s1:
             for name, key in (("index_query", "query_s"), ("page_loading", "load_s"),
@@ -154,10 +202,13 @@ class DecodeTimer:
         dev, host, sparse = kv_bytes(session.cache, settings.dense_layers)
         n = len(self.times)
         breakdown, loaded_pages = {}, 0.0
-        if _stats(session.cache) and n:
-            breakdown = {k: 1000 * v / n for k, v in self.breakdown_s.items()}
+        if n and (self.linears or _stats(session.cache)):
+            if _stats(session.cache):
+                breakdown = {k: 1000 * v / n for k, v in self.breakdown_s.items()}
+                loaded_pages = self.loaded_pages / n
+            if self.linears:
+                breakdown["linears"] = 1000 * self.linears_s / n
             breakdown["rest_of_model"] = 1000 * float(np.median(self.times)) - sum(breakdown.values())
-            loaded_pages = self.loaded_pages / n
         return DecodeResult(
             method=session.method, ctx=len(session.cached_ids) - self.done, budget=settings.budget,
             prefill_s=self.prefill_s, tt2t_s=self.tt2t, tpot_ms=1000 * float(np.median(self.times)),
