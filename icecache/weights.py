@@ -189,6 +189,75 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
 
 
+# Relative rounding of a bfloat16 value (8 significant bits, round to nearest: half a unit in the
+# last place is 2**-9; twice that is allowed), and of the float32 sums inside the kernel.
+BF16_REL = 2.0 ** -8
+SUM_REL = 2.0 ** -16
+
+
+class CheckedHead(nn.Module):
+    """The LM head for ``int4``: logits from int8 weights (one scale per row, torch's int8 kernel),
+    then every token whose logit could still be the largest recomputed from the float weights.
+
+    For each row i of the head the approximate logit is within ``bound_i`` of the exact one:
+    ``err_i * |x^|_1`` (the int8 row's largest weight error against the float row, with the
+    kernel's bfloat16 scale) ``+ max|w_i| * |x - x^|_1`` (the input rounded to bfloat16)
+    ``+ 2**-8 * |approx_i|`` (the output rounded to bfloat16) ``+ 2**-16 * max|w_i| * |x^|_1`` (the
+    kernel's float32 sums). A token can be the exact maximum only if ``approx_i + bound_i`` reaches
+    the largest ``approx_k - bound_k``; those tokens (a dozen or so on the embedded model) get their
+    exact float logits, so the largest logit, and with it the greedy choice, is the float head's.
+    The others keep their approximate values (within their bound). The weight is the float head's
+    own tensor (the embedding it is tied to), so the head adds only its int8 copy."""
+
+    def __init__(self, linear: nn.Linear):
+        super().__init__()
+        w = linear.weight.detach()
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight = w
+        self.bias = None if linear.bias is None else linear.bias.detach().clone()
+        q, scale = quantize_rows(w)
+        self.register_buffer("qweight", q, persistent=False)
+        self.register_buffer("scale_c", scale.to(COMPUTE), persistent=False)
+        wf = w.float()
+        err = (q.float() * self.scale_c.float()[:, None] - wf).abs().amax(1)
+        wmax = wf.abs().amax(1)
+        self.register_buffer("row_err", err, persistent=False)
+        self.register_buffer("row_max", wmax, persistent=False)
+        self.exact_rows = 0  # tokens recomputed from the float weights so far (for the bench)
+
+    def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(approximate logits [rows, V] in float32, mask of the tokens that could be the maximum)."""
+        xc = x.to(COMPUTE).contiguous()
+        approx = torch.ops.aten._weight_int8pack_mm(xc, self.qweight, self.scale_c).float()
+        if self.bias is not None:
+            approx += self.bias.float()
+        xr = xc.float()
+        l1 = xr.abs().sum(-1, keepdim=True)
+        dx = (xr - x.float()).abs().sum(-1, keepdim=True)
+        bound = (self.row_err * l1 + self.row_max * (dx + SUM_REL * l1)
+                 + BF16_REL * approx.abs() + 1e-6)
+        floor = (approx - bound).amax(-1, keepdim=True)
+        return approx, approx + bound >= floor
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] > ROWS_INT8_KERNEL:  # many rows (a prefill's logits): the float product
+            return nn.functional.linear(x, self.weight, self.bias)
+        approx, mask = self.candidates(rows)
+        for r in range(rows.shape[0]):
+            idx = mask[r].nonzero().flatten()
+            exact = self.weight.index_select(0, idx) @ rows[r].to(self.weight.dtype)
+            if self.bias is not None:
+                exact = exact + self.bias.index_select(0, idx)
+            approx[r].index_copy_(0, idx, exact.float())
+            self.exact_rows += int(idx.numel())
+        return approx.to(self.weight.dtype).reshape(*shape[:-1], self.out_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, int8 + exact candidates"
+
+
 def _head_names(model: nn.Module) -> set[str]:
     """The module names of the model's output projection (the LM head), if it says which."""
     get = getattr(model, "get_output_embeddings", None)
@@ -201,16 +270,21 @@ def _head_names(model: nn.Module) -> set[str]:
 def quantize_model(model: nn.Module, fmt: str) -> int:
     """Replace the linear layers of ``model`` in format ``fmt``; returns how many were replaced.
     ``float`` leaves the model as it is; ``int8`` replaces every linear layer, the LM head
-    included; ``int4`` every one whose shape its kernel takes, except the LM head."""
+    included; ``int4`` every one whose shape its kernel takes, and the LM head as a
+    :class:`CheckedHead` (int8 logits, the possible maximum recomputed in float)."""
     if fmt not in WEIGHT_FORMATS:
         raise ValueError(f"unknown weight format '{fmt}' (known: {', '.join(WEIGHT_FORMATS)})")
     if fmt == "float":
         return 0
     heads = _head_names(model) if fmt == "int4" else set()
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
-               and name not in heads and (fmt == "int8" or int4_fits(mod))]
+               and (name in heads or fmt == "int8" or int4_fits(mod))]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, Int8Linear(mod) if fmt == "int8" else Int4Linear(mod))
+        if fmt == "int8":
+            new = Int8Linear(mod)
+        else:
+            new = CheckedHead(mod) if name in heads else Int4Linear(mod)
+        setattr(parent, child, new)
     return len(targets)

@@ -183,15 +183,18 @@ class _TinyLM(nn.Module):
         return self.lm_head(self.body(x))
 
 
-def test_int4_model_keeps_the_lm_head_and_the_shapes_the_kernel_cannot_take():
+def test_int4_model_checks_the_lm_head_and_keeps_the_shapes_the_kernel_cannot_take():
     torch.manual_seed(2)
     model = _TinyLM()
     x = torch.randn(3, 64)
     before = model(x).detach()
-    # 64 -> 32 fits; 32 -> 40 has 40 outputs, 40 -> 64 has 40 inputs; the head stays
-    assert W.quantize_model(model, "int4") == 1
+    head_weight = model.lm_head.weight
+    # 64 -> 32 fits; 32 -> 40 has 40 outputs, 40 -> 64 has 40 inputs; the head is checked
+    assert W.quantize_model(model, "int4") == 2
     assert isinstance(model.body[0], W.Int4Linear)
-    assert all(type(model.body[i]) is nn.Linear for i in (2, 4)) and type(model.lm_head) is nn.Linear
+    assert all(type(model.body[i]) is nn.Linear for i in (2, 4))
+    assert isinstance(model.lm_head, W.CheckedHead)
+    assert model.lm_head.weight.data_ptr() == head_weight.data_ptr()  # the float weight, not a copy
     after = model(x)
     assert torch.allclose(after, before, atol=0.1 * before.abs().max().item())
     # int8 takes every linear layer, the head included
@@ -228,7 +231,47 @@ def test_the_embedded_model_with_int4_weights_agrees_with_float(loaded):
     with torch.inference_mode():
         ref = loaded.model(ids).logits[0]
         q = copy.deepcopy(loaded.model)
-        assert W.quantize_model(q, "int4") == 7 * q.config.num_hidden_layers
+        assert W.quantize_model(q, "int4") == 7 * q.config.num_hidden_layers + 1  # and the head
         got = q(ids).logits[0]
     agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
     assert agree >= 0.95, agree
+
+
+@pytest.mark.parametrize("bias", [False, True])
+def test_checked_head_gives_the_float_heads_largest_logit(bias):
+    """Approximate logits within their bound everywhere, the float logits wherever the maximum
+    could be, so the argmax is the float head's, also among near-ties."""
+    torch.manual_seed(3)
+    lin = nn.Linear(64, 512, bias=bias)
+    with torch.no_grad():
+        lin.weight[7] = lin.weight[5] + 1e-4  # near-ties between rows 5 and 7
+        lin.weight.mul_(torch.linspace(0.5, 2.0, 512)[:, None])
+    head = W.CheckedHead(lin)
+    x = torch.randn(2, 3, 64)
+    x[0, 0] = lin.weight[5].detach() * 2  # a row whose maximum is row 5 or 7, barely apart
+    ref = lin(x).detach()
+    got = head(x)
+    assert got.shape == ref.shape and got.dtype == torch.float32
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    approx, mask = head.candidates(x.reshape(-1, 64))
+    exact_rows = mask.reshape(2, 3, -1)
+    # the candidates hold the float values; the rest are within the bound of theirs
+    assert torch.allclose(got[exact_rows], ref[exact_rows], atol=1e-5, rtol=1e-6)
+    assert bool(exact_rows.reshape(-1, 512).gather(1, ref.reshape(-1, 512).argmax(-1, keepdim=True)).all())
+    assert (got - ref).abs().max() < 0.5
+    assert 0 < head.exact_rows < 6 * 512  # not every row recomputed
+    # many rows (a prefill's logits) are the float product itself
+    many = torch.randn(W.ROWS_INT8_KERNEL + 1, 64)
+    assert torch.allclose(head(many), lin(many).detach(), atol=1e-6)
+
+
+def test_the_embedded_models_checked_head_picks_the_float_heads_tokens(loaded):
+    head = loaded.model.get_output_embeddings()
+    checked = W.CheckedHead(head)
+    torch.manual_seed(4)
+    hidden = torch.randn(40, head.in_features) * 0.5
+    with torch.inference_mode():
+        ref = head(hidden)
+        got = checked(hidden[:, None, :])[:, 0]
+    assert torch.equal(got.argmax(-1), ref.argmax(-1))
+    assert checked.exact_rows < 40 * head.out_features // 100  # a small share recomputed
