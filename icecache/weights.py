@@ -3,8 +3,9 @@
 ``float``: the model's own dtype (nothing changes). ``int8``: weight-only quantization with one
 float scale per output channel (symmetric, round to nearest), the LM head included. ``int4``:
 four-bit values in groups of 32 inputs, each group with its own scale and minimum (asymmetric,
-round to nearest); the LM head keeps the model's dtype. Activations stay in the model's dtype
-outside the layers.
+round to nearest); the LM head becomes a :class:`CheckedHead` (int8 logits, the tokens that could
+be the largest recomputed from the float weights). Activations stay in the model's dtype outside
+the layers.
 
 A decode step multiplies one row by every weight matrix, so it is bound by reading the weights:
 int8 reads a quarter of float32's bytes, int4 an eighth. The products are torch's own CPU kernels
@@ -16,9 +17,9 @@ Why int4 keeps the answers: a Q4_1 GGUF (the embedded model's) stores every line
 ``d * q + m`` in blocks of 32 inputs, with q in 0..15. Groups of 32 with their own minimum and
 step find those values again exactly, so the int4 layers hold the file's own weights; what differs
 from the float path is the bfloat16 rounding of the products. The LM head comes from the file's
-Q8_0 token embedding, which four bits cannot hold, and its logits choose every token: it stays
-float (docs/results.md, session 27: teacher-forced agreement with the float model 0.995 with a
-float head, 0.985 with an int8 one).
+Q8_0 token embedding, which four bits cannot hold, and its logits choose every token: with a
+plain int8 head the agreement with the float model fell from 0.995 to 0.985 (docs/results.md,
+session 27), so the int8 logits only narrow the choice and the float weights decide it.
 
 :func:`dequantized` and :func:`dequantized_groups` are the plain references the tests compare
 :class:`Int8Linear` and :class:`Int4Linear` with.

@@ -55,9 +55,9 @@ RopeScalingOpt = _profile_setting(str, "--rope-scaling", about=(
     "(transformers' own; positions stay true). The peer of --positions remap."))
 WeightsOpt = _profile_setting(str, "--weights", about=(
     "The linear layers' weights: float (the model's dtype), int8 (one scale per output channel) "
-    "or int4 (groups of 32 with a step and a minimum each, the LM head in the model's dtype; "
-    "exact for a Q4_1 GGUF's layers). CPU only; decode reads a quarter or an eighth of float32's "
-    "bytes."))
+    "or int4 (groups of 32 with a step and a minimum each, exact for a Q4_1 GGUF's layers; the LM "
+    "head's int8 logits checked against the float weights wherever the largest could be). CPU only; "
+    "decode reads a quarter or an eighth of float32's bytes."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
