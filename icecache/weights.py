@@ -96,8 +96,6 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
-
-
 # int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
 # multiples of 16
 GROUP = 32
