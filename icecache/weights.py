@@ -10,8 +10,9 @@ the layers.
 A decode step multiplies one row by every weight matrix, so it is bound by reading the weights:
 int8 reads a quarter of float32's bytes, int4 an eighth. The products are torch's own CPU kernels
 (``aten._weight_int8pack_mm``, ``aten._weight_int4pack_mm_for_cpu``); for many rows at once (a
-prefill chunk) the matrix is widened to bfloat16, block by block of output channels, and
-multiplied as usual, where a dense product beats the weight-only kernels.
+prefill chunk) a dense product beats the weight-only kernels: int8 widens its matrix to bfloat16,
+block by block of output channels, for each product; int4 keeps its values widened to the model's
+dtype (the float model's memory) and multiplies as the float model does.
 
 Why int4 keeps the answers: a Q4_1 GGUF (the embedded model's) stores every linear weight as
 ``d * q + m`` in blocks of 32 inputs, with q in 0..15. Groups of 32 with their own minimum and
@@ -125,17 +126,6 @@ def dequantized_groups(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
     return w.reshape(n, k).to(dtype)
 
 
-def pack_nibbles(q: torch.Tensor) -> torch.Tensor:
-    """Two 4-bit values per byte: column 2j in the low half, 2j + 1 in the high half."""
-    q = q.to(torch.uint8)
-    return (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous()
-
-
-def unpack_nibbles(p: torch.Tensor) -> torch.Tensor:
-    """The inverse of :func:`pack_nibbles` (uint8 values 0..15)."""
-    return torch.stack([p & 15, p >> 4], dim=-1).reshape(p.shape[0], -1)
-
-
 def int4_fits(linear: nn.Linear) -> bool:
     """Whether torch's int4 kernel takes this layer's shape."""
     return linear.in_features % GROUP == 0 and linear.out_features % INT4_OUT_MULTIPLE == 0
@@ -157,29 +147,23 @@ class Int4Linear(nn.Module):
                              persistent=False)
         table = torch.stack([step, low + 8 * step], dim=-1).transpose(0, 1).contiguous().to(COMPUTE)
         self.register_buffer("kernel_table", table, persistent=False)
-        # the same values two to a byte, for the many-row product
-        self.register_buffer("nibbles", pack_nibbles(q), persistent=False)
-        self.register_buffer("step", step, persistent=False)
-        self.register_buffer("low", low, persistent=False)
+        # the same values in the model's dtype, for the many-row product (a prefill chunk): on a
+        # CPU without bfloat16 instructions a bfloat16 product is 4x slower than a float32 one,
+        # and the 4-bit values widened for each chunk made a short prompt's prefill 2.7x slower
+        # than the float model's (docs/results.md, session 27). Kept, they make a chunk's product
+        # the float model's own (the values are the same), at the float model's memory.
+        self.register_buffer("widened", dequantized_groups(q, step, low, linear.weight.dtype), persistent=False)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self.act_dtype = linear.weight.dtype
 
-    def weight_block(self, lo: int, hi: int, dtype: torch.dtype) -> torch.Tensor:
-        """Output channels ``lo:hi`` of the weight, widened to ``dtype``."""
-        return dequantized_groups(unpack_nibbles(self.nibbles[lo:hi]), self.step[lo:hi], self.low[lo:hi], dtype)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        xc = x.reshape(-1, shape[-1]).to(COMPUTE).contiguous()
-        if xc.shape[0] <= ROWS_INT8_KERNEL:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, self.kernel_weight, GROUP, self.kernel_table)
-        else:
-            y = torch.empty(xc.shape[0], self.out_features, dtype=COMPUTE, device=xc.device)
-            for lo in range(0, self.out_features, WIDEN_BLOCK):
-                hi = min(self.out_features, lo + WIDEN_BLOCK)
-                torch.matmul(xc, self.weight_block(lo, hi, COMPUTE).T, out=y[:, lo:hi])
-        y = y.to(self.act_dtype)
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] > ROWS_INT8_KERNEL:
+            return nn.functional.linear(x.to(self.act_dtype), self.widened, self.bias)
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
+                                                      GROUP, self.kernel_table).to(self.act_dtype)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y.reshape(*shape[:-1], self.out_features)
