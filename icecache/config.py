@@ -51,8 +51,8 @@ class Settings:
     cpu_threads: int = 0  # 0: one per core
     dtype: str = "float32"
     # the linear layers' weights: "float" (the model's dtype), "int8" (one scale per output
-    # channel) or "int4" (groups of 32 inputs with a step and a minimum each, the LM head kept
-    # in dtype); activations in dtype (icecache.weights)
+    # channel) or "int4" (groups of 32 inputs with a step and a minimum each, the LM head's int8
+    # logits checked against its float weights); activations in dtype (icecache.weights)
     weights: str = "float"
     page_size: int = 16
     budget: int = 256

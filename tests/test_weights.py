@@ -79,21 +79,28 @@ def test_weights_setting_is_checked():
         resolve_settings("h100-80gb", weights="int8")
 
 
-def test_the_embedded_model_with_int8_weights_agrees_with_float(loaded, cpu_settings):
-    """Teacher-forced over a real prompt: the int8 model's next-token choices agree with the
-    float model's at most positions (the fidelity target is checked by `icecache eval`)."""
+def _forced_agreement(loaded, fmt: str) -> tuple[int, float]:
+    """(layers replaced, share of positions where a copy of the model in ``fmt`` picks the float
+    model's next token), teacher-forced over a real prompt."""
     import copy
 
-    tok = loaded.tokenizer
-    ids = tok("The history of the printing press begins in the fifteenth century, when movable type "
-              "made books cheaper and faster to produce. Within fifty years, presses operated in "
-              "more than two hundred cities across Europe, and", return_tensors="pt")["input_ids"]
+    ids = loaded.tokenizer("The history of the printing press begins in the fifteenth century, when movable "
+                           "type made books cheaper and faster to produce. Within fifty years, presses "
+                           "operated in more than two hundred cities across Europe, and",
+                           return_tensors="pt")["input_ids"]
     with torch.inference_mode():
         ref = loaded.model(ids).logits[0]
         q = copy.deepcopy(loaded.model)
-        assert W.quantize_model(q, "int8") > 0
+        replaced = W.quantize_model(q, fmt)
         got = q(ids).logits[0]
-    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    return replaced, (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+
+
+def test_the_embedded_model_with_int8_weights_agrees_with_float(loaded, cpu_settings):
+    """Teacher-forced over a real prompt: the int8 model's next-token choices agree with the
+    float model's at most positions (the fidelity target is checked by `icecache eval`)."""
+    replaced, agree = _forced_agreement(loaded, "int8")
+    assert replaced > 0
     assert agree >= 0.9, agree
 
 
@@ -219,18 +226,8 @@ def test_the_embedded_models_layers_are_held_exactly_in_int4(loaded):
 
 
 def test_the_embedded_model_with_int4_weights_agrees_with_float(loaded):
-    import copy
-
-    tok = loaded.tokenizer
-    ids = tok("The history of the printing press begins in the fifteenth century, when movable type "
-              "made books cheaper and faster to produce. Within fifty years, presses operated in "
-              "more than two hundred cities across Europe, and", return_tensors="pt")["input_ids"]
-    with torch.inference_mode():
-        ref = loaded.model(ids).logits[0]
-        q = copy.deepcopy(loaded.model)
-        assert W.quantize_model(q, "int4") == 7 * q.config.num_hidden_layers + 1  # and the head
-        got = q(ids).logits[0]
-    agree = (ref.argmax(-1) == got.argmax(-1)).float().mean().item()
+    replaced, agree = _forced_agreement(loaded, "int4")
+    assert replaced == 7 * loaded.model.config.num_hidden_layers + 1  # and the head
     assert agree >= 0.95, agree
 
 

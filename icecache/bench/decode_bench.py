@@ -11,6 +11,7 @@ speed during the run does not favour the methods timed first.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import asdict, dataclass, field
 
@@ -85,9 +86,9 @@ def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2,
 
 def is_linear(module: torch.nn.Module) -> bool:
     """A linear layer of the model: torch's own or a quantized one (icecache.weights)."""
-    from ..weights import Int4Linear, Int8Linear
+    from ..weights import CheckedHead, Int4Linear, Int8Linear
 
-    return isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear))
+    return isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear, CheckedHead))
 
 
 class LinearClock:
@@ -182,14 +183,12 @@ class DecodeTimer:
         """``steps`` more timed steps; the cache's counters over them join the breakdown."""
         self.session.activate()  # another timer's session may have used the model since
         s0 = _stats(self.session.cache)
-        if self.linears:
-            with LinearClock(self.session.loaded.model) as clock:
-                for _ in range(steps):
-                    self._step(timed=True)
-            self.linears_s += clock.seconds
-        else:
+        clock = LinearClock(self.session.loaded.model) if self.linears else None
+        with clock or contextlib.nullcontext():
             for _ in range(steps):
                 self._step(timed=True)
+        if clock is not None:
+            self.linears_s += clock.seconds
         s1 = _stats(self.session.cache)
         if s0 and s1:
             for name, key in (("index_query", "query_s"), ("page_loading", "load_s"),
