@@ -21,6 +21,8 @@ GPU_CASES = {
     "ice-remap": ("ice", {"positions": "remap"}),
     "ice-sparse-remap": ("ice", {"prefill": "sparse", "positions": "remap"}),
     "ice-reuse-remap": ("ice-reuse", {"positions": "remap", "reuse_every": 2}),
+    # the baselines of issue 20 (written after the last GPU lease)
+    **{m: (m, {}) for m in ("h2o", "arkvale", "omnikv", "pqcache", "magicpig")},
 }
 STEPS = 24
 
