@@ -99,6 +99,12 @@ def test_a_killed_eval_resumes_mid_cell_from_its_finished_cases(loaded, cpu_sett
     lines = [json.loads(x) for x in (tmp_path / "cases.jsonl").read_text().splitlines()]
     assert [(x["cell"], x["case"], x["score"]) for x in lines] == [
         (list(cell.key()), i, s) for i, s in enumerate(first["detail"])]
+    # each line also keeps the start of the answer and what it was scored against
+    cases = passkey.cases(loaded.tokenizer, 400, 3, 0)
+    for x, case in zip(lines, cases, strict=True):
+        assert x["expected"] == [case.answer]
+        assert isinstance(x["output"], str) and len(x["output"]) <= runner.OUTPUT_CHARS
+        assert x["score"] == passkey.score(x["output"], case.answer)
     # a run killed after two cases (its second case's line cut short), with a planted score
     # that no real case gives, so that reuse shows
     (tmp_path / "cases.jsonl").write_text(

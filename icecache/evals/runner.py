@@ -171,9 +171,10 @@ class Evaluator:
             for key, out in outs.items():
                 if len(scores[key]) != i:
                     continue  # a sibling missing earlier cases: it runs on its own
-                scores[key].append(score(tok.decode(out), case))
+                text = tok.decode(out)
+                scores[key].append(score(text, case))
                 self._cases[(key, i)] = scores[key][-1]
-                append_case(self.out, key, i, scores[key][-1])
+                append_case(self.out, key, i, scores[key][-1], text, _expected(case))
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
                 f"{scores[c.key()][-1]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
                 for c in group if c.key() in outs))
@@ -293,11 +294,34 @@ def load_cases(out: Path | None) -> dict[tuple, float]:
     return done
 
 
-def append_case(out: Path | None, key: tuple, case: int, score: float) -> None:
+# a case's answer as kept in cases.jsonl: enough to see what the model said, not a transcript
+OUTPUT_CHARS = 200
+
+
+def _expected(case) -> list[str] | None:
+    """What a generated case's answer is scored against (passkey: the key; RULER tasks: the
+    needles' values), as text; None for a case without one."""
+    want = getattr(case, "expected", None)
+    if want is None:
+        want = getattr(case, "answer", None)
+    if want is None:
+        return None
+    return [str(w) for w in want] if isinstance(want, (list, tuple)) else [str(want)]
+
+
+def append_case(out: Path | None, key: tuple, case: int, score: float, output: str | None = None,
+                expected: list[str] | None = None) -> None:
+    """One finished case in ``out``/cases.jsonl: its cell, index and score, and (generated
+    tasks) the start of the answer and what it was scored against, to see why a case failed."""
     if out is None:
         return
+    row = {"cell": list(key), "case": case, "score": score}
+    if output is not None:
+        row["output"] = output[:OUTPUT_CHARS]
+    if expected is not None:
+        row["expected"] = expected
     with open(out / "cases.jsonl", "a") as f:
-        f.write(json.dumps({"cell": list(key), "case": case, "score": score}) + "\n")
+        f.write(json.dumps(row) + "\n")
         f.flush()
 
 
