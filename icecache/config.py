@@ -82,6 +82,11 @@ class Settings:
     # beside those its index walk reaches: a narrow beam keeps what an earlier, wider search
     # found while the queries still want it (0: off)
     carry_pages: int = 0
+    # the first answer_search generated tokens search as the prompt's last steps do (at least
+    # tail_beam_frac of the keys: all of them by default): an answer copied from the document
+    # keeps the passage the prompt's end found, where a narrow walk lost it after its first
+    # digits (0: off)
+    answer_search: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -201,6 +206,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_beam", "must be 0 (the index_beam) or more")
     if not 0 <= s.carry_pages <= 1024:
         raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
+    if not 0 <= s.answer_search <= 4096:
+        raise bad("answer_search", "must be a whole number from 0 (off) to 4096")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:

@@ -161,6 +161,7 @@ def ice_spec(settings: Settings, method: Method):
         token_pick=settings.token_pick,
         search_every=settings.search_every,
         carry_pages=settings.carry_pages,
+        answer_steps=settings.answer_search,
         host_dtype=host_dtype(settings),
     )
 

@@ -73,6 +73,7 @@ class IceCache(Cache):
         for layer in self.ice_layers():
             layer.prompt_tokens = layer.length + tokens
             layer.tail_end = layer.prompt_tokens + tail
+            layer.answer_at = layer.tail_end
 
     def observe(self, layer_idx: int, queries: torch.Tensor, positions=None) -> None:
         """Layer ``layer_idx``'s prompt queries (query heads, n, head_dim) at prompt

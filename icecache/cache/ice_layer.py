@@ -60,6 +60,7 @@ class IceLayer(CacheLayerMixin):
         self.length = 0  # tokens seen (sink + host store + window)
         self.prompt_tokens = 0  # the prompt's length once announced (IceCache.begin_prefill)
         self.tail_end = 0  # the length after the prompt tokens a sparse prefill steps through
+        self.answer_at = 0  # the prompt's length: generated tokens come after it (0: not known yet)
         self.heads = self.head_dim = 0
         self.store: HostStore | None = None
         self.resident: ResidentKV | None = None
@@ -96,6 +97,8 @@ class IceLayer(CacheLayerMixin):
         elif self.resident.window_cap > self.spec.window_slack and self.length >= self.tail_end:
             self._to_decode_pool()  # the first decode step after a sparse prefill and its tail
         if n == 1:
+            if not self.answer_at:  # a prompt that came whole (a shared prefill): it ends here
+                self.answer_at = max(self.length, self.tail_end)
             self.shed_window(keep_room=True)
         self.resident.append(key_states[0], value_states[0])
         self.length += n
@@ -272,7 +275,7 @@ class IceLayer(CacheLayerMixin):
         # a prompt-end step searches (at least) tail_beam_frac of the keys: its pages decide
         # the first answer token (docs/results.md, session 11: a 64k passkey the beam missed)
         tail = self.in_tail()
-        wide = self.spec.tail_beam_frac if tail else 0.0
+        wide = self.spec.tail_beam_frac if tail or self.answering() else 0.0
         chooser = query[:, 0]
         if self.remap is not None:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
@@ -305,6 +308,12 @@ class IceLayer(CacheLayerMixin):
     def in_tail(self) -> bool:
         """This step is a prompt token a sparse prefill steps through (its tail)."""
         return self.length <= self.tail_end and self.resident.pool_pages >= self.spec.tail_pages
+
+    def answering(self) -> bool:
+        """This step is one of the first ``answer_steps`` generated tokens (the prompt's
+        length is known: announced, or where the first one-token step came)."""
+        at = self.answer_at
+        return bool(self.spec.answer_steps) and 0 < at < self.length <= at + self.spec.answer_steps
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads

@@ -33,6 +33,7 @@ class IceSpec:
     token_pick: int = 0  # dci: select token_pick x the pages, load the best tokens among them (0: off)
     search_every: int = 1  # dci: a decode step reuses the last search for up to this many steps
     carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
+    answer_steps: int = 0  # the first N generated tokens search tail_beam_frac of the keys (0: off)
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property
