@@ -30,7 +30,7 @@ def bench_main(
     context: typer.Context,
     ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present).")] = "full,dense,ice,ice-reuse,quest",
-    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps).")] = 16,
+    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps, or the profile's answer_search if more: an answer's first tokens search every key).")] = 16,
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl (each row appended as soon as it is measured).", show_default=False)] = None,
