@@ -188,7 +188,7 @@ def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
 
 
 @pytest.mark.parametrize("rounds", ["1", "2"])
-def test_bench_decode_command_rounds(rounds):
+def test_bench_decode_command_rounds(rounds, quick_profile):
     """`icecache bench decode --rounds`: one method after the other (1) or taking turns (2);
     either way a row per method, ratios to the first."""
     import json
@@ -197,7 +197,7 @@ def test_bench_decode_command_rounds(rounds):
 
     extra = ["--time-linears"] if rounds == "2" else []
     r = run_cli(["bench", "decode", "--ctx", "300", "--methods", "full,ice[search_every=2]", "--decode-steps", "3",
-                 "--rounds", rounds, "--budget", "64", "--json"] + extra)
+                 "--rounds", rounds, "--budget", "64", "--json", "--profile", quick_profile] + extra)
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
     assert [x["method"] for x in rows] == ["full", "ice[search_every=2]"]
