@@ -87,6 +87,11 @@ class Settings:
     # keeps the passage the prompt's end found, where a narrow walk lost it after its first
     # digits (0: off)
     answer_search: int = 0
+    # passages pinned for the answer (0: off): the prompt's last step and the first generated
+    # token's step vote over the offloaded tokens with every sparse layer's exact attention; the
+    # answer_spans best places (each a page before and two after, in token order) stay loaded
+    # for every generated token after them, beside the budget's pages
+    answer_spans: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -206,6 +211,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_beam", "must be 0 (the index_beam) or more")
     if not 0 <= s.carry_pages <= 1024:
         raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
+    if not 0 <= s.answer_spans <= 16:
+        raise bad("answer_spans", "must be a whole number from 0 (off) to 16")
     if not 0 <= s.answer_search <= 4096:
         raise bad("answer_search", "must be a whole number from 0 (off) to 4096")
     if s.index_pages not in ("projection", "similar"):

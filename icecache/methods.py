@@ -162,6 +162,7 @@ def ice_spec(settings: Settings, method: Method):
         search_every=settings.search_every,
         carry_pages=settings.carry_pages,
         answer_steps=settings.answer_search,
+        answer_spans=settings.answer_spans if method.budgeted else 0,
         host_dtype=host_dtype(settings),
     )
 

@@ -188,11 +188,12 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
 
 
-@pytest.mark.parametrize("sparse,gap,keep,pages", [(False, 1, 0, "ordered"), (True, 1, 0, "ordered"),
-                                                   (True, 6, 0, "ordered"), (True, 1, 150, "ordered"),
-                                                   (False, 1, 100_000, "ordered"), (True, 1, 0, "scaled"),
-                                                   (False, 1, 64, "scaled"), (True, 1, 0, "spread")])
-def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages):
+@pytest.mark.parametrize("sparse,gap,keep,pages,spans", [
+    (False, 1, 0, "ordered", 0), (True, 1, 0, "ordered", 0), (True, 6, 0, "ordered", 0),
+    (True, 1, 150, "ordered", 0), (False, 1, 100_000, "ordered", 0), (True, 1, 0, "scaled", 0),
+    (False, 1, 64, "scaled", 0), (True, 1, 0, "spread", 0), (True, 1, 0, "ordered", 2),
+    (False, 1, 0, "ordered", 3)])
+def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages, spans):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
     attention, through a (sparse) prefill and window evictions (whatever ``remap_gap``: no row
@@ -208,7 +209,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages):
     s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
                  prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000,
-                 remap_gap=gap, remap_keep=keep, remap_pages=pages)
+                 remap_gap=gap, remap_keep=keep, remap_pages=pages, answer_spans=spans)
     out = {}
     for method, positions in (("full", "true"), ("ice", "remap")):
         prefill = "full" if method == "full" else s.prefill
@@ -226,6 +227,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages):
         out[method] = logits
         if method == "ice":
             assert cache.remap is not None and cache.ice_layers()[0].store.rows > 200
+            assert all((layer.pinned is not None) == (spans > 0) for layer in cache.ice_layers())
     for a, b in zip(out["full"], out["ice"], strict=True):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
 

@@ -25,6 +25,7 @@ from .backend import TorchBackend
 from .dense import GrowingLayer
 from .ice_layer import IceLayer
 from .positions import Remap, RemapDenseLayer
+from .spans import SpanVotes
 from .spec import IceSpec, StepStats
 
 
@@ -36,6 +37,7 @@ class IceCache(Cache):
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
         self.stats = StepStats()
+        votes = SpanVotes(spec.answer_spans, spec.page_size) if spec.span_pages else None
         layers: list = []
         anchor = None
         for i in range(num_layers):
@@ -48,9 +50,10 @@ class IceCache(Cache):
             else:
                 follows = reuse_every > 1 and (i - dense_layers) % reuse_every
             if follows:
-                layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor, remap=remap))
+                layers.append(IceLayer(i, spec, self.backend, self.stats, anchor=anchor, remap=remap,
+                                       votes=votes))
             else:
-                anchor = IceLayer(i, spec, self.backend, self.stats, remap=remap)
+                anchor = IceLayer(i, spec, self.backend, self.stats, remap=remap, votes=votes)
                 layers.append(anchor)
         super().__init__(layers=layers)
         self.num_dense = dense_layers

@@ -33,6 +33,8 @@ from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa, paged_d
 from .positions import Remap, ordered_offsets, place_keys, scaled_offsets, spread_offsets
 from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
+from .selectors.tokens import TokenPages
+from .spans import SpanVotes, head_weights
 from .spec import IceSpec, StepStats
 from .worker import WORKER
 
@@ -43,8 +45,11 @@ class IceLayer(CacheLayerMixin):
     is_compileable = False
 
     def __init__(self, layer_idx: int, spec: IceSpec, backend: TorchBackend, stats: StepStats,
-                 anchor: IceLayer | None = None, remap: Remap | None = None):
+                 anchor: IceLayer | None = None, remap: Remap | None = None,
+                 votes: SpanVotes | None = None):
         super().__init__()
+        self.votes = votes  # answer_spans: the answer start's votes, shared by the sparse layers
+        self.pinned: TokenPages | None = None  # answer_spans: the pinned passages' pages
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.layer_idx = layer_idx
         self.spec = spec
@@ -153,10 +158,10 @@ class IceLayer(CacheLayerMixin):
         k, v = self.keys[0], self.values[0]  # (heads, T, d)
         window_cap = spec.window_slack + (spec.chunk_tokens if spec.sparse_prefill else 0)
         self.resident = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype,
-                                   spec.sink_tokens, S, spec.pool_pages, window_cap)
+                                   spec.sink_tokens, S, spec.pool_pages, window_cap, spec.span_pages)
         # host rows of the pool: remapped pages are placed in token order; an estimating
-        # selector weighs each row
-        self.resident.track_rows = self.remap is not None or self.estimates
+        # selector weighs each row; a pinned passage's rows are not attended twice
+        self.resident.track_rows = self.remap is not None or self.estimates or self.votes is not None
         self.resident.set_sink(k[:, :sink], v[:, :sink])
         self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
         self.resident.chunk_at = self.resident.chunk_len = 0
@@ -235,7 +240,7 @@ class IceLayer(CacheLayerMixin):
         of window slack (the pool starts empty; the first step loads its pages)."""
         self.shed_window()
         self.wait()
-        self.resident = self.resident.resized(self.spec.budget_pages, self.spec.window_slack)
+        self.resident = self.resident.resized(self.spec.decode_pool_pages, self.spec.window_slack)
 
     def rebudget(self, spec) -> None:
         """Decode with ``spec`` (another budget) from here on: an empty pool of its size
@@ -246,8 +251,9 @@ class IceLayer(CacheLayerMixin):
         if self.selector is not None:
             self.selector.spec = spec
         if self.resident.window_cap <= spec.window_slack:
-            self.resident = self.resident.resized(spec.budget_pages, spec.window_slack)
+            self.resident = self.resident.resized(spec.decode_pool_pages, spec.window_slack)
         self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
+        self.pinned = None
 
     def wait(self) -> None:
         """Finish this layer's background work (re-raising its error, if any)."""
@@ -281,6 +287,8 @@ class IceLayer(CacheLayerMixin):
             page_distance = r.window_fill  # the window holds this step's token too
             chooser = self.remap.frame.rotate(chooser, self.length - 1, page_distance)
         self.select(chooser, pages, wide, prefill=tail)
+        if self.votes is not None:
+            self.answer_spans(chooser.view(H, self.group(Hq), d), scale)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
@@ -307,13 +315,29 @@ class IceLayer(CacheLayerMixin):
 
     def in_tail(self) -> bool:
         """This step is a prompt token a sparse prefill steps through (its tail)."""
-        return self.length <= self.tail_end and self.resident.pool_pages >= self.spec.tail_pages
+        pool = self.resident.pool_pages - self.resident.pinned_slots
+        return self.length <= self.tail_end and pool >= self.spec.tail_pages
 
     def answering(self) -> bool:
         """This step is one of the first ``answer_steps`` generated tokens (the prompt's
         length is known: announced, or where the first one-token step came)."""
         at = self.answer_at
         return bool(self.spec.answer_steps) and 0 < at < self.length <= at + self.spec.answer_steps
+
+    def answer_spans(self, chooser: torch.Tensor, scale: float) -> None:
+        """``answer_spans``: the prompt's last step and the first generated token's step vote
+        with this step's queries, as the index sees them (H, G, d), over the offloaded keys; a
+        later generated token pins the voted passages (:mod:`.spans`)."""
+        at = self.answer_at
+        if not at or self.length < at or self.store is None:
+            return
+        if self.length <= at + 1:
+            keys = self.store.keys[:, : self.store.rows]
+            self.votes.add(head_weights(chooser.cpu(), keys, scale))
+        elif self.pinned is None:
+            rows = self.votes.rows(self.store.rows)
+            self.pinned = TokenPages(self.spec.page_size, self.spec.span_pages)
+            self.pinned.choose(rows)
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads
@@ -390,7 +414,11 @@ class IceLayer(CacheLayerMixin):
             return
         t0 = time.perf_counter()
         owner = self.anchor if self.anchor is not None else self
-        loaded, moved = self.resident.load(self.selected, owner.selector.page_table, self.store)
+        pinned = None
+        if self.pinned is not None:
+            table = self.pinned.table()
+            pinned = (np.flatnonzero(table[1] > 0), table, self.pinned.tokens())
+        loaded, moved = self.resident.load(self.selected, owner.selector.page_table, self.store, pinned)
         self.stats.bytes_moved += moved
         self.stats.pages_loaded += loaded
         self.stats.pages_selected += sum(len(w) for w in self.selected)

@@ -25,9 +25,12 @@ from .kernels import plan_head
 
 class ResidentKV:
     def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
-                 sink_cap: int, page_size: int, pool_pages: int, window_cap: int):
+                 sink_cap: int, page_size: int, pool_pages: int, window_cap: int, pinned_slots: int = 0):
         self.backend, self.heads, self.head_dim, self.dtype = backend, heads, head_dim, dtype
         self.page_size, self.pool_pages = page_size, pool_pages
+        # the pool's last ``pinned_slots`` slots hold pinned pages (answer passages), the others
+        # a step's selection
+        self.pinned_slots = pinned_slots
         self.pool_at = sink_cap
         self.window_at = self.pool_at + pool_pages * page_size
         self.window_cap = window_cap
@@ -88,7 +91,7 @@ class ResidentKV:
         """A new buffer with another pool and window size holding this one's sink and window
         (the pool starts empty)."""
         out = ResidentKV(self.backend, self.heads, self.head_dim, self.dtype, self.pool_at,
-                         self.page_size, pool_pages, window_cap)
+                         self.page_size, pool_pages, window_cap, self.pinned_slots)
         out.track_rows = self.track_rows
         out.set_sink(self.keys[:, : self.sink_fill], self.values[:, : self.sink_fill])
         w = slice(self.window_at, self.window_at + self.window_fill)
@@ -97,29 +100,46 @@ class ResidentKV:
         return out
 
     # -- the page pool ---------------------------------------------------------------------------
-    def load(self, selected: list[np.ndarray], page_table, store: HostStore) -> tuple[int, int]:
+    def load(self, selected: list[np.ndarray], page_table, store: HostStore,
+             pinned: tuple[np.ndarray, tuple, np.ndarray] | None = None) -> tuple[int, int]:
         """Make the ``selected`` pages of every head resident, copying only those not already in
         a slot at their current version; the other slots are freed.
 
         ``page_table(h) -> (members, count, version)``: head ``h``'s pages (host-store row ids,
-        fill, version). Returns (pages loaded, bytes moved).
+        fill, version). ``pinned``: (page ids, (members, count, version), host rows) of pages
+        every head keeps in the last ``pinned_slots`` slots (a selected row that is also pinned
+        is left out once). Returns (pages loaded, bytes moved).
         """
-        S = self.page_size
-        need = sum(len(w) for w in selected) * S
+        S, P = self.page_size, self.pool_pages
+        main = P - self.pinned_slots
+        want_pinned = pinned[0].astype(np.int64) if pinned is not None else np.empty(0, np.int64)
+        need = (sum(len(w) for w in selected) + self.heads * len(want_pinned)) * S
         src = np.empty(need, np.int64)
         dst = np.empty(need, np.int64)
         m = loaded = 0
-        pool = slice(self.pool_at, self.window_at)
+        at = self.pool_at
         for h in range(self.heads):
             members, count, version = page_table(h)
-            m, got = plan_head(selected[h].astype(np.int64), self.slot_page[h], self.slot_version[h],
-                               self.slot_fill[h], version, members, count, h * store.capacity,
-                               h * self.rows + self.pool_at, S, self.valid[h, pool], src, dst, m)
+            m, got = plan_head(selected[h].astype(np.int64), self.slot_page[h, :main], self.slot_version[h, :main],
+                               self.slot_fill[h, :main], version, members, count, h * store.capacity,
+                               h * self.rows + at, S, self.valid[h, at : at + main * S], src, dst, m)
             loaded += got
+            if self.pinned_slots:
+                pm, pc, pv = pinned[1] if pinned is not None else (np.zeros((0, S), np.int32), np.zeros(0, np.int32),
+                                                                   np.zeros(0, np.int64))
+                m, got = plan_head(want_pinned, self.slot_page[h, main:], self.slot_version[h, main:],
+                                   self.slot_fill[h, main:], pv, pm, pc, h * store.capacity,
+                                   h * self.rows + at + main * S, S, self.valid[h, at + main * S : self.window_at],
+                                   src, dst, m)
+                loaded += got
         moved = 0
         if m and self.track_rows:
-            at = dst[:m] - self.pool_at
-            self.pool_row[at // self.rows, at % self.rows] = src[:m] % store.capacity
+            rel = dst[:m] - self.pool_at
+            self.pool_row[rel // self.rows, rel % self.rows] = src[:m] % store.capacity
+        if pinned is not None and len(pinned[2]):
+            # a selected row that a pinned page holds too is attended once
+            sel = self.valid[:, at : at + main * S]
+            sel &= ~np.isin(self.pool_row[:, : main * S], pinned[2])
         if m:
             host_k, host_v = store.flat()
             moved = self.backend.load_rows(host_k, host_v, torch.from_numpy(src[:m]),

@@ -11,6 +11,8 @@ from dataclasses import dataclass, field
 
 from ..index import IndexConfig
 
+SPAN_PAGES = 3  # a pinned answer passage: a page before its anchor token, two from it on
+
 
 @dataclass(frozen=True)
 class IceSpec:
@@ -34,14 +36,25 @@ class IceSpec:
     search_every: int = 1  # dci: a decode step reuses the last search for up to this many steps
     carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
     answer_steps: int = 0  # the first N generated tokens search tail_beam_frac of the keys (0: off)
+    answer_spans: int = 0  # passages pinned for the answer after the prompt's end voted (0: off)
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
+
+    @property
+    def span_pages(self) -> int:
+        """Pool slots the pinned answer passages take (``answer_spans`` x three pages)."""
+        return SPAN_PAGES * self.answer_spans if self.budget_pages else 0
 
     @property
     def pool_pages(self) -> int:
         """Pool slots during prefill (a sparse chunk's selection may be larger than decode's)."""
         if self.sparse_prefill and self.budget_pages:
-            return max(self.budget_pages, self.prefill_pages)
-        return self.budget_pages
+            return max(self.budget_pages, self.prefill_pages) + self.span_pages
+        return self.budget_pages + self.span_pages
+
+    @property
+    def decode_pool_pages(self) -> int:
+        """Pool slots at decode: the budget's and the pinned passages'."""
+        return self.budget_pages + self.span_pages
 
     @property
     def window_slack(self) -> int:

@@ -1,0 +1,82 @@
+"""Passages pinned for the answer (``answer_spans``).
+
+A fact copied from a long document (a number, a name) must be read in token order: its tokens
+one after the other, at distances one apart. The pages of a DCI-tree group keys by similarity, so
+a 7-digit number's digits sit in pages beside the document's other digits, and a decode step's
+selection brings back some of them: the answer starts with the number's first digits and stops
+(docs/results.md, session 28).
+
+:class:`SpanVotes` finds the places the question points to and keeps them whole. The prompt's
+last step, and the first generated token's step, vote: every sparse layer adds its query heads'
+exact attention weights over the offloaded tokens (softmax over them, summed over the heads).
+After that, the ``answer_spans`` tokens with the most votes, each at least a passage away from
+the ones before, become anchors, and each anchor's passage (a page of tokens before it, two pages
+from it on, in token order) stays resident in every sparse layer for every generated token,
+beside the budget's own pages. With remapped positions the pool's rows are placed in token
+order, so a passage is read at its own distances.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from .spec import SPAN_PAGES
+
+
+class SpanVotes:
+    """The votes of one sequence's answer start, shared by its sparse layers."""
+
+    def __init__(self, spans: int, page_size: int):
+        self.spans = spans
+        self.before = page_size  # rows of a passage before its anchor
+        self.after = (SPAN_PAGES - 1) * page_size  # rows from the anchor on
+        self.votes = np.zeros(0, np.float64)
+        self.chosen: np.ndarray | None = None  # the pinned host rows, once chosen
+
+    def add(self, weights: np.ndarray) -> None:
+        """Add one layer's votes (n,) over host rows 0 .. n-1."""
+        if self.chosen is not None:
+            return
+        n = len(weights)
+        if n > len(self.votes):
+            grown = np.zeros(n, np.float64)
+            grown[: len(self.votes)] = self.votes
+            self.votes = grown
+        self.votes[:n] += weights
+
+    def rows(self, limit: int) -> np.ndarray:
+        """The pinned host rows (sorted, below ``limit``), chosen at the first call."""
+        if self.chosen is None:
+            self.chosen = pinned_rows(self.votes[:limit], self.spans, self.before, self.after)
+        return self.chosen[self.chosen < limit]
+
+
+def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int) -> np.ndarray:
+    """Rows of the ``spans`` passages around the most-voted rows: anchors taken greedily by votes,
+    each outside the reach of those taken before (no two passages overlap); a passage is
+    ``anchor - before .. anchor + after - 1``, clipped to the rows there are."""
+    n = len(votes)
+    if n == 0 or spans == 0:
+        return np.empty(0, np.int64)
+    taken = np.zeros(n, np.bool_)
+    anchors: list[int] = []
+    for a in np.argsort(-votes, kind="stable"):
+        if len(anchors) == spans or votes[a] <= 0:
+            break
+        if taken[a]:
+            continue
+        anchors.append(int(a))
+        # a later anchor's passage must not reach into this one's
+        taken[max(0, a - before - after + 1) : a + after + before] = True
+    rows = [np.arange(max(0, a - before), min(n, a + after)) for a in anchors]
+    return np.unique(np.concatenate(rows)) if rows else np.empty(0, np.int64)
+
+
+def head_weights(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> np.ndarray:
+    """queries (H, G, d), keys (H, n, d) -> (n,) float64: each query head's softmax over the n
+    keys, summed over all the query heads."""
+    if keys.shape[1] == 0:
+        return np.zeros(0)
+    s = torch.matmul(queries.float(), keys.float().transpose(1, 2)) * scale  # (H, G, n)
+    return torch.softmax(s.double(), dim=-1).sum(dim=(0, 1)).numpy()

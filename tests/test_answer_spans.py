@@ -1,0 +1,109 @@
+"""``answer_spans``: the prompt's end votes over the offloaded tokens, and the voted passages stay
+resident, in token order, for the generated tokens after that."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.cache import IceSpec
+from icecache.cache.spans import SpanVotes, head_weights, pinned_rows
+from icecache.config import ProfileError, resolve_settings
+from tests.test_ice_cache import full_cache, ice_cache, run_steps, spec, tiny_model
+
+
+def test_passages_follow_the_votes_and_never_overlap():
+    votes = np.zeros(100)
+    votes[[50, 52, 10, 98, 70]] = [5.0, 4.0, 3.0, 2.0, 1.0]
+    # 52 lies in 50's reach: the next anchors are 10 and 98 (clipped at the end)
+    rows = pinned_rows(votes, 3, before=2, after=4)
+    assert rows.tolist() == [8, 9, 10, 11, 12, 13, 48, 49, 50, 51, 52, 53, 96, 97, 98, 99]
+    assert pinned_rows(votes, 1, 2, 4).tolist() == [48, 49, 50, 51, 52, 53]
+    assert len(pinned_rows(np.zeros(10), 2, 2, 4)) == 0  # nothing voted: nothing pinned
+    assert len(pinned_rows(votes, 0, 2, 4)) == 0
+
+
+def test_passages_do_not_overlap_on_random_votes():
+    rng = np.random.default_rng(0)
+    for _ in range(50):
+        n, k = int(rng.integers(1, 400)), int(rng.integers(1, 6))
+        votes = rng.random(n)
+        rows = pinned_rows(votes, k, 4, 8)
+        assert len(rows) == len(np.unique(rows)) <= 12 * k
+        assert rows.min() >= 0 and rows.max() < n
+        top = int(votes.argmax())  # the best row's passage is there, clipped to the rows there are
+        assert set(range(max(0, top - 4), min(n, top + 8))) <= set(rows.tolist())
+
+
+def test_head_weights_are_summed_softmaxes():
+    rng = np.random.default_rng(1)
+    q = rng.normal(size=(2, 3, 8)).astype(np.float32)
+    k = rng.normal(size=(2, 20, 8)).astype(np.float32)
+    s = np.einsum("hgd,hnd->hgn", q.astype(np.float64), k.astype(np.float64)) * 0.5
+    p = np.exp(s - s.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)).sum((0, 1))
+    got = head_weights(torch.from_numpy(q), torch.from_numpy(k).half(), 0.5)
+    np.testing.assert_allclose(got, want, rtol=2e-3)
+    assert got.sum() == pytest.approx(6.0)
+
+
+def test_votes_stop_once_the_passages_are_chosen():
+    v = SpanVotes(1, page_size=2)
+    v.add(np.array([0.0, 1.0, 0.0, 0.0, 0.0, 0.0]))
+    v.add(np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 3.0]))  # a longer store: votes grow
+    assert v.rows(8).tolist() == [5, 6, 7]
+    v.add(np.array([9.0] * 8))  # too late: the choice stands
+    assert v.rows(8).tolist() == [5, 6, 7]
+
+
+def _spans(budget_pages: int, spans: int) -> IceSpec:
+    return IceSpec(**{**spec(budget_pages=budget_pages).__dict__, "answer_spans": spans})
+
+
+def test_spans_with_room_for_everything_equal_full():
+    """With every page selected, a pinned row is attended once: the output is full attention."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(3)
+    prompt = rng.integers(0, 97, 150).tolist()
+    forced = rng.integers(0, 97, 30).tolist()
+    ref = run_steps(model, full_cache(model), prompt, forced)
+    cache = ice_cache(model, _spans(256, 2))
+    got = run_steps(model, cache, prompt, forced)
+    for a, b in zip(ref, got, strict=True):
+        torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+    assert all(layer.pinned is not None and len(layer.pinned.tokens()) == 24 for layer in cache.ice_layers())
+
+
+def test_a_small_budget_keeps_the_voted_passages_resident():
+    """Budget 2 pages: after the answer start every head of every sparse layer holds the voted
+    passages' rows, each once, beside its own selection; the output differs from without."""
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(4)
+    prompt = rng.integers(0, 97, 200).tolist()
+    forced = rng.integers(0, 97, 20).tolist()
+    plain = run_steps(model, ice_cache(model, spec(budget_pages=2)), prompt, forced)
+    cache = ice_cache(model, _spans(2, 2))
+    got = run_steps(model, cache, prompt, forced)
+    torch.testing.assert_close(got[1], plain[1])  # the first generated token's step votes
+    assert max(float((a - b).abs().max()) for a, b in zip(plain[2:], got[2:], strict=True)) > 1e-4
+    votes = cache.ice_layers()[0].votes
+    want = pinned_rows(votes.votes[: 200 - 16], 2, 4, 8)  # the host rows at the vote
+    assert len(want) == 24
+    for layer in cache.ice_layers():
+        assert layer.pinned.tokens().tolist() == sorted(want.tolist()) or \
+            sorted(layer.pinned.tokens().tolist()) == want.tolist()
+        r = layer.resident
+        pool = slice(r.pool_at, r.window_at)
+        for h in range(layer.heads):
+            rows = r.pool_row[h][r.valid[h, pool]]
+            assert len(rows) == len(np.unique(rows))  # attended once
+            assert set(want.tolist()) <= set(rows.tolist())
+            assert len(rows) <= 24 + 2 * 4
+
+
+def test_answer_spans_setting_is_checked():
+    s = resolve_settings("cpu", answer_spans=4)
+    assert s.answer_spans == 4
+    with pytest.raises(ProfileError, match="answer.spans"):
+        resolve_settings("cpu", answer_spans=17)
