@@ -90,7 +90,8 @@ class Settings:
     # passages pinned for the answer (0: off): the prompt's last step and the first generated
     # token's step vote over the offloaded tokens with every sparse layer's exact attention; the
     # answer_spans best places (each a page before and two after, in token order) stay loaded
-    # for every generated token after them, beside the budget's pages
+    # for every generated token after them, beside the budget's pages (remapped: nearest the
+    # window)
     answer_spans: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048

@@ -191,8 +191,8 @@ def test_automatic_prefill_and_positions_choice():
 @pytest.mark.parametrize("sparse,gap,keep,pages,spans", [
     (False, 1, 0, "ordered", 0), (True, 1, 0, "ordered", 0), (True, 6, 0, "ordered", 0),
     (True, 1, 150, "ordered", 0), (False, 1, 100_000, "ordered", 0), (True, 1, 0, "scaled", 0),
-    (False, 1, 64, "scaled", 0), (True, 1, 0, "spread", 0), (True, 1, 0, "ordered", 2),
-    (False, 1, 0, "ordered", 3)])
+    (False, 1, 64, "scaled", 0), (True, 1, 0, "spread", 0), (False, 1, 0, "scaled", 3),
+    (True, 1, 0, "spread", 2)])
 def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages, spans):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full

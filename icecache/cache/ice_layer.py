@@ -377,7 +377,7 @@ class IceLayer(CacheLayerMixin):
             gap = self.remap.gap_for(rows)
             # rows near the window keep their true distance if the packed rest still fits
             keep = min(self.remap.keep, room + 1 - rows * gap)
-            offset, count = ordered_offsets(r.pool_row, valid, gap, top, keep)
+            offset, count = ordered_offsets(self._placing_order(valid), valid, gap, top, keep)
         elif self.remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
             rule = scaled_offsets if self.remap.pages == "scaled" else spread_offsets
             offset, count = rule(r.pool_row, valid, top, self.remap.keep, room)
@@ -385,6 +385,23 @@ class IceLayer(CacheLayerMixin):
             offset = torch.zeros(self.heads, rows, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+
+    def _placing_order(self, valid: np.ndarray) -> np.ndarray:
+        """The pool rows' order keys for the ordered placement: host rows (token order), except
+        that pinned answer passages come after the selected rows, nearest the window, in their own
+        order (a passage that continues the sink stays where token order puts it, after the sink)."""
+        r = self.resident
+        if self.pinned is None:
+            return r.pool_row
+        keys = r.pool_row.copy()
+        cut = (r.pool_pages - r.pinned_slots) * r.page_size
+        pin, ok = keys[:, cut:], valid[:, cut:]
+        rows = np.sort(self.pinned.tokens())
+        lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
+        last = np.where(valid[:, :cut], keys[:, :cut], -1).max(axis=1, keepdims=True)
+        move = ok & (pin >= lead)
+        keys[:, cut:] = np.where(move, np.maximum(last, 0) + 1 + pin, pin)
+        return keys
 
     def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0, prefill: bool = False) -> None:
         """q: (heads * G, d) query heads of this step (a sparse-prefill chunk: heads * G *
