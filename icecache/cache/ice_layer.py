@@ -50,6 +50,10 @@ class IceLayer(CacheLayerMixin):
         super().__init__()
         self.votes = votes  # answer_spans: the answer start's votes, shared by the sparse layers
         self.pinned: TokenPages | None = None  # answer_spans: the pinned passages' pages
+        # ... what every step's load and placement read of them, fixed once they are chosen:
+        # (page ids, page table, host rows sorted), and how many rows continue the sink
+        self._pinned_load: tuple | None = None
+        self._pinned_lead = 0
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.layer_idx = layer_idx
         self.spec = spec
@@ -253,7 +257,7 @@ class IceLayer(CacheLayerMixin):
         if self.resident.window_cap <= spec.window_slack:
             self.resident = self.resident.resized(spec.decode_pool_pages, spec.window_slack)
         self.selected = [np.empty(0, np.int32) for _ in range(self.heads)]
-        self.pinned = None
+        self.pinned = self._pinned_load = None
 
     def wait(self) -> None:
         """Finish this layer's background work (re-raising its error, if any)."""
@@ -335,9 +339,11 @@ class IceLayer(CacheLayerMixin):
             keys = self.store.keys[:, : self.store.rows]
             self.votes.add(head_weights(chooser.cpu(), keys, scale))
         elif self.pinned is None:
-            rows = self.votes.rows(self.store.rows)
             self.pinned = TokenPages(self.spec.page_size, self.spec.span_pages)
-            self.pinned.choose(rows)
+            ids = self.pinned.choose(self.votes.rows(self.store.rows))
+            rows = np.sort(self.pinned.tokens())
+            self._pinned_load = (ids.astype(np.int64), self.pinned.table(), rows)
+            self._pinned_lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads
@@ -396,10 +402,8 @@ class IceLayer(CacheLayerMixin):
         keys = r.pool_row.copy()
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
         pin, ok = keys[:, cut:], valid[:, cut:]
-        rows = np.sort(self.pinned.tokens())
-        lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
         last = np.where(valid[:, :cut], keys[:, :cut], -1).max(axis=1, keepdims=True)
-        move = ok & (pin >= lead)
+        move = ok & (pin >= self._pinned_lead)
         keys[:, cut:] = np.where(move, np.maximum(last, 0) + 1 + pin, pin)
         return keys
 
@@ -431,11 +435,8 @@ class IceLayer(CacheLayerMixin):
             return
         t0 = time.perf_counter()
         owner = self.anchor if self.anchor is not None else self
-        pinned = None
-        if self.pinned is not None:
-            table = self.pinned.table()
-            pinned = (np.flatnonzero(table[1] > 0), table, self.pinned.tokens())
-        loaded, moved = self.resident.load(self.selected, owner.selector.page_table, self.store, pinned)
+        loaded, moved = self.resident.load(self.selected, owner.selector.page_table, self.store,
+                                           self._pinned_load)
         self.stats.bytes_moved += moved
         self.stats.pages_loaded += loaded
         self.stats.pages_selected += sum(len(w) for w in self.selected)

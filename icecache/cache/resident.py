@@ -22,6 +22,11 @@ from .backend import TorchBackend
 from .host_store import HostStore
 from .kernels import plan_head
 
+# ``ResidentKV.load``'s pinned pages when none are chosen: (page ids, (members, count, version),
+# host rows), all empty
+NO_PINNED = (np.empty(0, np.int64), (np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64)),
+             np.empty(0, np.int64))
+
 
 class ResidentKV:
     def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
@@ -106,13 +111,15 @@ class ResidentKV:
         a slot at their current version; the other slots are freed.
 
         ``page_table(h) -> (members, count, version)``: head ``h``'s pages (host-store row ids,
-        fill, version). ``pinned``: (page ids, (members, count, version), host rows) of pages
+        fill, version). ``pinned``: (page ids (int64), (members, count, version), host rows) of pages
         every head keeps in the last ``pinned_slots`` slots (a selected row that is also pinned
         is left out once). Returns (pages loaded, bytes moved).
         """
         S, P = self.page_size, self.pool_pages
         main = P - self.pinned_slots
-        want_pinned = pinned[0].astype(np.int64) if pinned is not None else np.empty(0, np.int64)
+        pinned = NO_PINNED if pinned is None else pinned  # none chosen: the pinned slots are freed
+        want_pinned = pinned[0]
+        pm, pc, pv = pinned[1]
         need = (sum(len(w) for w in selected) + self.heads * len(want_pinned)) * S
         src = np.empty(need, np.int64)
         dst = np.empty(need, np.int64)
@@ -125,8 +132,6 @@ class ResidentKV:
                                h * self.rows + at, S, self.valid[h, at : at + main * S], src, dst, m)
             loaded += got
             if self.pinned_slots:
-                pm, pc, pv = pinned[1] if pinned is not None else (np.zeros((0, S), np.int32), np.zeros(0, np.int32),
-                                                                   np.zeros(0, np.int64))
                 m, got = plan_head(want_pinned, self.slot_page[h, main:], self.slot_version[h, main:],
                                    self.slot_fill[h, main:], pv, pm, pc, h * store.capacity,
                                    h * self.rows + at + main * S, S, self.valid[h, at + main * S : self.window_at],
@@ -136,7 +141,7 @@ class ResidentKV:
         if m and self.track_rows:
             rel = dst[:m] - self.pool_at
             self.pool_row[rel // self.rows, rel % self.rows] = src[:m] % store.capacity
-        if pinned is not None and len(pinned[2]):
+        if len(pinned[2]):
             # a selected row that a pinned page holds too is attended once
             sel = self.valid[:, at : at + main * S]
             sel &= ~np.isin(self.pool_row[:, : main * S], pinned[2])
