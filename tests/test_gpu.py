@@ -23,6 +23,9 @@ GPU_CASES = {
     "ice-reuse-remap": ("ice-reuse", {"positions": "remap", "reuse_every": 2}),
     # the baselines of issue 20 (written after the last GPU lease)
     **{m: (m, {}) for m in ("h2o", "arkvale", "omnikv", "pqcache", "magicpig")},
+    # answer_spans (session 29): pinned passages in their own pool slots
+    "ice-spans": ("ice", {"answer_spans": 2}),
+    "ice-spans-remap": ("ice", {"answer_spans": 2, "positions": "remap", "window_pages": 3}),
 }
 STEPS = 24
 
@@ -55,8 +58,16 @@ def run_forced(model, method: str, settings, forced: list[int] | None):
         tokens.append(t)
         out = model(input_ids=torch.tensor([[t]], device=dev), past_key_values=cache, use_cache=True)
         logits.append(out.logits[0, -1].float().cpu())
-        pages.append(selected_pages(cache))
+        pages.append((selected_pages(cache), pinned_rows(cache)))
     return tokens, logits, pages
+
+
+def pinned_rows(cache) -> list:
+    """Per ice layer, the rows answer_spans pinned ([] before they are chosen or without it)."""
+    if not hasattr(cache, "ice_layers"):
+        return []
+    return [[] if layer.pinned is None else sorted(int(r) for r in layer.pinned.tokens())
+            for layer in cache.ice_layers()]
 
 
 @pytest.fixture(scope="module")
