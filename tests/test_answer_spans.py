@@ -36,16 +36,26 @@ def test_passages_do_not_overlap_on_random_votes():
         assert set(range(max(0, top - 4), min(n, top + 8))) <= set(rows.tolist())
 
 
-def test_head_weights_are_summed_softmaxes():
+def test_head_weights_are_the_heads_largest_softmax_weights():
     rng = np.random.default_rng(1)
     q = rng.normal(size=(2, 3, 8)).astype(np.float32)
     k = rng.normal(size=(2, 20, 8)).astype(np.float32)
     s = np.einsum("hgd,hnd->hgn", q.astype(np.float64), k.astype(np.float64)) * 0.5
     p = np.exp(s - s.max(-1, keepdims=True))
-    want = (p / p.sum(-1, keepdims=True)).sum((0, 1))
+    want = (p / p.sum(-1, keepdims=True)).max((0, 1))
     got = head_weights(torch.from_numpy(q), torch.from_numpy(k).half(), 0.5)
     np.testing.assert_allclose(got, want, rtol=2e-3)
-    assert got.sum() == pytest.approx(6.0)
+    assert got.shape == (20,) and 1 / 20 <= got.max() <= 1.0
+
+
+def test_a_row_keeps_its_best_vote():
+    """Many rows a little (a sentence end every head glances at) lose to one row a head looks up."""
+    v = SpanVotes(1, page_size=2)
+    for _ in range(5):
+        v.add(np.array([0.3, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0]))
+    v.add(np.array([0.0, 0.0, 0.0, 0.0, 0.0, 0.9, 0.0, 0.0]))
+    np.testing.assert_allclose(v.votes, [0.3, 0, 0, 0, 0, 0.9, 0, 0])
+    assert v.rows(8).tolist() == [3, 4, 5, 6, 7]
 
 
 def test_votes_stop_once_the_passages_are_chosen():
@@ -152,3 +162,55 @@ def test_remapped_passages_sit_nearest_the_window_in_their_own_order():
             assert (np.diff(pin_keys[moved][order]) > 0).all()  # their own token order
             checked += int(moved.sum())
     assert checked > 0
+
+
+@pytest.mark.parametrize("tail", [0, 1, 12, 40])
+def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch, tail):
+    """The votes are each row's largest head weight over the prompt's last steps that run one
+    token at a time (at most VOTE_STEPS of them), and the prompt's last step pins them. Without
+    earlier stepped tokens (a prompt whose end came in a chunk, or one stepped token), the first
+    step there is votes and the next pins. Prompt chunks and later tokens never vote."""
+    from icecache.cache import ice_layer, spans
+    from icecache.cache.spec import VOTE_STEPS
+
+    calls: list[tuple[int, np.ndarray]] = []
+
+    def recorded(queries, keys, scale):
+        got = spans.head_weights(queries, keys, scale)
+        calls.append((step[0], got))
+        return got
+
+    monkeypatch.setattr(ice_layer, "head_weights", recorded)
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(7)
+    prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 6).tolist()
+    cache = ice_cache(model, _spans(2, 1))
+    layers = cache.ice_layers()
+    step = [0]  # 1, 2, ...: the stepped prompt tokens, then the generated ones
+    pinned_at = {}
+    with torch.inference_mode():
+        cut = len(prompt) - tail
+        cache.begin_prefill(cut, tail=tail)
+        for lo in range(0, cut, 64):
+            model(input_ids=torch.tensor([prompt[lo : min(cut, lo + 64)]]), past_key_values=cache,
+                  use_cache=True)
+        cache.end_prefill()
+        for i, t in enumerate(prompt[cut:] + forced):
+            step[0] = i + 1
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            for j, layer in enumerate(layers):
+                if layer.pinned is not None:
+                    pinned_at.setdefault(j, i + 1)
+    voting = sorted({s for s, _ in calls})
+    if tail >= 2:  # votes up to the one before the prompt's last, which pins
+        want, pin = list(range(max(1, tail - VOTE_STEPS + 1), tail)), tail
+    else:  # the first step after the prompt's chunks votes, the next pins
+        want, pin = [1], 2
+    assert voting == want
+    assert len(calls) == len(want) * len(layers)
+    assert set(pinned_at.values()) == {pin} and len(pinned_at) == len(layers)
+    n = max(len(w) for _s, w in calls)
+    best = np.zeros(n)
+    for _s, w in calls:
+        best[: len(w)] = np.maximum(best[: len(w)], w)
+    np.testing.assert_allclose(layers[0].votes.votes[:n], best)

@@ -35,7 +35,7 @@ from .resident import ResidentKV
 from .selectors import PageSelector, make_selector
 from .selectors.tokens import TokenPages
 from .spans import SpanVotes, head_weights
-from .spec import IceSpec, StepStats
+from .spec import VOTE_STEPS, IceSpec, StepStats
 from .worker import WORKER
 
 
@@ -329,21 +329,24 @@ class IceLayer(CacheLayerMixin):
         return bool(self.spec.answer_steps) and 0 < at < self.length <= at + self.spec.answer_steps
 
     def answer_spans(self, chooser: torch.Tensor, scale: float) -> None:
-        """``answer_spans``: the prompt's last step and the first generated token's step vote
-        with this step's queries, as the index sees them (H, G, d), over the offloaded keys; a
-        later generated token pins the voted passages (:mod:`.spans`)."""
+        """``answer_spans`` (:mod:`.spans`): the prompt's last steps that run one token at a time
+        (at most ``VOTE_STEPS``: a sparse prefill's tail, a question after a saved document)
+        vote with this step's queries, as the index sees them (H, G, d), over the offloaded
+        keys. The prompt's last step pins the passages those steps voted for, so the first
+        answer token already reads them. A prompt whose end came in a chunk has no votes then:
+        the first generated token's step votes, and the next step pins."""
         at = self.answer_at
-        if not at or self.length < at or self.store is None:
+        if not at or self.length <= at - VOTE_STEPS or self.store is None or self.pinned is not None:
             return
-        if self.length <= at + 1:
-            keys = self.store.keys[:, : self.store.rows]
-            self.votes.add(head_weights(chooser.cpu(), keys, scale))
-        elif self.pinned is None:
+        if self.length >= at and self.votes.step and self.votes.step < self.length:
             self.pinned = TokenPages(self.spec.page_size, self.spec.span_pages)
             ids = self.pinned.choose(self.votes.rows(self.store.rows))
             rows = np.sort(self.pinned.tokens())
             self._pinned_load = (ids.astype(np.int64), self.pinned.table(), rows)
             self._pinned_lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
+        elif self.length <= at + 1:
+            keys = self.store.keys[:, : self.store.rows]
+            self.votes.add(head_weights(chooser.cpu(), keys, scale), self.length)
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads

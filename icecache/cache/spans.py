@@ -7,8 +7,16 @@ selection brings back some of them: the answer starts with the number's first di
 (docs/results.md, session 28).
 
 :class:`SpanVotes` finds the places the question points to and keeps them whole. The prompt's
-last step, and the first generated token's step, vote: every sparse layer adds its query heads'
-exact attention weights over the offloaded tokens (softmax over them, summed over the heads).
+last steps that run one token at a time (a sparse prefill's tail, a question after a saved
+document; at most 32) vote: every sparse layer scores its query heads' exact attention weights
+over the offloaded tokens (softmax over them), and a token keeps its largest weight over the
+heads, layers and steps. The prompt's last step then pins the passages, so the first answer
+token reads them. (A prompt whose end came in a chunk has no such steps: the first generated
+token votes, and the steps after it read the passages.) The first version summed the weights
+over the heads at the prompt's last step and the first generated token's: that favoured the
+early sentence ends that many heads attend a little. In a 16k report (session 30) its best
+passages held the three facts only 4th, 7th and past the 16th, where the largest weight over
+the question's steps put each fact first: the few heads that look a fact up weigh it highly.
 After that, the ``answer_spans`` tokens with the most votes, each at least a passage away from
 the ones before, become anchors, and each anchor's passage (a page of tokens before it, two pages
 from it on, in token order) stays resident in every sparse layer for every generated token,
@@ -36,17 +44,20 @@ class SpanVotes:
         self.after = (SPAN_PAGES - 1) * page_size  # rows from the anchor on
         self.votes = np.zeros(0, np.float64)
         self.chosen: np.ndarray | None = None  # the pinned host rows, once chosen
+        self.step = 0  # the cache length at the latest vote (0: none yet)
 
-    def add(self, weights: np.ndarray) -> None:
-        """Add one layer's votes (n,) over host rows 0 .. n-1."""
+    def add(self, weights: np.ndarray, step: int = 0) -> None:
+        """One layer's votes at the step where the cache holds ``step`` tokens: (n,) over host
+        rows 0 .. n-1; a row keeps its best vote."""
         if self.chosen is not None:
             return
+        self.step = max(self.step, step)
         n = len(weights)
         if n > len(self.votes):
             grown = np.zeros(n, np.float64)
             grown[: len(self.votes)] = self.votes
             self.votes = grown
-        self.votes[:n] += weights
+        np.maximum(self.votes[:n], weights, out=self.votes[:n])
 
     def rows(self, limit: int) -> np.ndarray:
         """The pinned host rows (sorted, below ``limit``), chosen at the first call."""
@@ -78,8 +89,8 @@ def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int) -> np.nd
 
 def head_weights(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> np.ndarray:
     """queries (H, G, d), keys (H, n, d) -> (n,) float64: each query head's softmax over the n
-    keys, summed over all the query heads."""
+    keys; a key's weight is its largest over the query heads."""
     if keys.shape[1] == 0:
         return np.zeros(0)
     s = torch.matmul(queries.float(), keys.float().transpose(1, 2)) * scale  # (H, G, n)
-    return torch.softmax(s.double(), dim=-1).sum(dim=(0, 1)).numpy()
+    return torch.softmax(s, dim=-1).amax(dim=(0, 1)).double().numpy()

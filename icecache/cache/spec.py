@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..index import IndexConfig
 
 SPAN_PAGES = 3  # a pinned answer passage: a page before its anchor token, two from it on
+VOTE_STEPS = 32  # answer_spans: the prompt's last steps (run one token at a time) that vote
 
 
 @dataclass(frozen=True)
