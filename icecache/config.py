@@ -87,11 +87,11 @@ class Settings:
     # keeps the passage the prompt's end found, where a narrow walk lost it after its first
     # digits (0: off)
     answer_search: int = 0
-    # passages pinned for the answer (0: off): the prompt's last step and the first generated
-    # token's step vote over the offloaded tokens with every sparse layer's exact attention; the
-    # answer_spans best places (each a page before and two after, in token order) stay loaded
-    # for every generated token after them, beside the budget's pages (remapped: nearest the
-    # window)
+    # passages pinned for the answer (0: off): the prompt's last stepped tokens (up to 32) vote
+    # over the offloaded tokens with every sparse layer's exact attention (a token's largest
+    # head weight); the answer_spans best places (each a page before and two after, in token
+    # order) stay loaded from the prompt's last step on, beside the budget's pages (remapped:
+    # nearest the window)
     answer_spans: int = 0
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
