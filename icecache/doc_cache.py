@@ -42,6 +42,11 @@ LENGTHS = "lengths.json"
 # The settings a full prefill's keys and values depend on (the method does not: every method's
 # full prefill is the same computation).
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
+# Settings that a sparse prefill's saved state does not depend on: the profile's name and words,
+# where the cache lives and its limits, the threads. (A copy of a profile under another file name
+# re-prefilled a 100k document for 12 minutes: the name was part of the key.)
+STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads"})
+
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.
 SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0, "token_pick": 0}

@@ -355,11 +355,12 @@ class Session:
         # The state at the document's end depends neither on what follows it (one entry serves a
         # summary and questions of any length) nor on the decode budget while that fits in the
         # chunks' pool (``IceCache.forked``'s rule: the same pool size): pages are re-selected.
-        from .doc_cache import SHAPING_IF_SET
+        from .doc_cache import SHAPING_IF_SET, STATE_NEUTRAL
 
         budget = 0 if run.budget <= run.prefill_budget else run.budget
         settings = {k: v for k, v in dataclasses.asdict(run.replace(budget=budget)).items()
-                    if SHAPING_IF_SET.get(k, object()) != v}  # later settings at their defaults: left out
+                    if SHAPING_IF_SET.get(k, object()) != v  # later settings at their defaults: left out
+                    and k not in STATE_NEUTRAL}
         kind = {"state": 1, "method": self.method, "settings": settings}
         return prefix, self.doc_cache.with_kind(kind)
 

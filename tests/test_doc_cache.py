@@ -102,9 +102,13 @@ def test_sparse_prefill_state_round_trip(loaded, tmp_path, method, changes, ques
     second, s2, pages2 = run_sparse(loaded, method, tmp_path, changes, question_tokens)
     assert s2.prefix_cached_tokens == PREFIX and s2.tokens_prefilled == question_tokens
     assert second == first and pages2 == pages1
-    # another budget or chunking is another entry (the state depends on every setting)
+    # another budget or chunking is another entry (the state depends on every setting that shapes it)
     _, s3, _ = run_sparse(loaded, method, tmp_path, {**changes, "chunk_size": 32}, question_tokens)
     assert s3.prefix_cached_tokens == 0
+    # ...but not on the profile's name, its description or the cache's own limits
+    renamed = {**changes, "name": "a-copy", "description": "the same, renamed", "doc_cache_gib": 3.0}
+    again, s5, _ = run_sparse(loaded, method, tmp_path, renamed, question_tokens)
+    assert s5.prefix_cached_tokens == PREFIX and again == first
     # the entry serves a prompt whose part after the document is of the other kind (chunks and
     # steps, or steps only), and continues as a fresh run would
     other = 45 - question_tokens
