@@ -29,6 +29,8 @@ def main() -> None:
     cli = a.cli[1:] if a.cli[:1] == ["--"] else a.cli
     if not cli or cli[0] != "qa":
         sys.exit("give an icecache qa command line after --")
+    if sum(x in ("-q", "--question") or x.startswith("--question=") for x in cli) != 1:
+        sys.exit("give the qa command line exactly one question (-q): the answer is forced for one")
 
     from icecache import generation
 
