@@ -12,6 +12,7 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
+from icecache.variants import parse_variant, split_methods  # noqa: F401  (tests import them from here)
 
 from .options import BenchOptions, QuietOpt, with_options
 from .options import ModelOpt as FullModelOpt
@@ -434,46 +435,3 @@ def parse_whole_numbers(text: str, flag: str, ok, allowed: str) -> list[int]:
     if not values or not all(ok(v) for v in values):
         raise UsageError(f"{flag}: each value must be {allowed}")
     return values
-
-
-def split_methods(text: str) -> list[str]:
-    """``--methods`` split at the commas outside brackets: 'full,ice[a=1,b=2]' -> two."""
-    out, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch == "[") - (ch == "]")
-        if depth < 0 or depth > 1:
-            raise UsageError(f"--methods: unbalanced brackets in '{text}'")
-        if ch == "," and depth == 0:
-            out.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    if depth:
-        raise UsageError(f"--methods: unbalanced brackets in '{text}'")
-    out.append(cur.strip())
-    return [m for m in out if m]
-
-
-def parse_variant(text: str, settings):
-    """'ice' or 'ice[key=value,...]' -> (label, method, settings with the profile keys changed;
-    values read as YAML, checked as a profile's)."""
-    import yaml
-
-    from icecache.config import ProfileError, apply
-
-    if "[" not in text:
-        return text, text, settings
-    method, _, rest = text.partition("[")
-    if not rest.endswith("]"):
-        raise UsageError(f"--methods: '{text}' must end with ']'")
-    values = {}
-    for item in rest[:-1].split(","):
-        key, eq, value = item.partition("=")
-        if not eq or not key.strip():
-            raise UsageError(f"--methods: '{item}' in '{text}' is not key=value")
-        values[key.strip()] = yaml.safe_load(value.strip())
-    try:
-        changed = apply(settings, values, f"--methods {text}")
-    except ProfileError as exc:
-        raise UsageError(str(exc)) from None
-    return text, method.strip(), changed

@@ -11,6 +11,7 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
+from icecache.variants import RUN_KEYS, parse_variant, split_methods
 
 from .bench import parse_size
 from .output import Reporter, emit, stderr, user_errors
@@ -18,7 +19,7 @@ from .output import Reporter, emit, stderr, user_errors
 
 def evaluate(
     tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, niah_prose, vt, fwe, gsm8k, longbench, fidelity.")] = "passkey",
-    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference).")] = "full,ice",
+    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference). A method may change profile keys for its own cells: 'ice\\[answer_spans=3,window_pages=8]' (not the budget, which --budgets gives, nor the model's keys).")] = "full,ice",
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
     n: Annotated[int, typer.Option("--n", min=1, help="Cases (passkey: depths; fidelity: documents) per cell.")] = 10,
@@ -48,11 +49,18 @@ def evaluate(
         for t in task_list:
             if t not in runner.TASKS:
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
-        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
                                     rope_scaling=rope_scaling, weights=weights)
-        for m in method_list:
-            check_prefill(m, settings)
+        method_list, variants = [], {}
+        for text in split_methods(methods):
+            label, method, method_settings = parse_variant(text, settings, fixed=(*RUN_KEYS, "budget"))
+            check_method(method)
+            check_prefill(method, method_settings)
+            if label in method_list:
+                raise UsageError(f"--methods: '{label}' is named twice")
+            method_list.append(label)
+            if method_settings is not settings:
+                variants[label] = method_settings
         budget_list = []
         for b in budgets.split(","):
             if not b.strip():
@@ -96,7 +104,7 @@ def evaluate(
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
         ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data,
-                              depths=depth_list, out=out)
+                              depths=depth_list, out=out, variants=variants)
         rows = []
         for i, cell in enumerate(all_cells):
             if cell.key() in done:

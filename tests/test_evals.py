@@ -281,3 +281,46 @@ def test_shared_prefill_decodes_like_own_prefill(loaded, cpu_settings, method):
     assert len(pre.obs_queries) == loaded.model.config.num_hidden_layers
     shared, stats = Session(loaded, settings, method).generate_from(pre, 12)
     assert shared == own and stats.tokens_in == len(ids)
+
+
+def test_cells_of_a_method_variant_follow_its_method():
+    cells = runner.cells(["passkey"], ["full", "ice[answer_spans=1]", "streaming[window_pages=4]"], [64, 256], [400])
+    assert [(c.method, c.budget) for c in cells] == [
+        ("full", 0), ("ice[answer_spans=1]", 64), ("ice[answer_spans=1]", 256), ("streaming[window_pages=4]", 0)]
+
+
+def test_a_variant_cell_runs_its_method_with_its_own_settings(loaded, cpu_settings, monkeypatch):
+    """'ice[window_pages=1]' decodes as ice with one window page at the cell's budget; plain
+    'ice' in the same evaluator keeps the profile's window."""
+    seen = []
+    real = runner.Session
+
+    class Recording(real):
+        def __init__(self, loaded_, settings, method, *a, **k):
+            seen.append((method, settings.window_pages, settings.budget))
+            super().__init__(loaded_, settings, method, *a, **k)
+
+    monkeypatch.setattr(runner, "Session", Recording)
+    variant = cpu_settings.replace(window_pages=1)
+    ev = runner.Evaluator(loaded, cpu_settings, 1, 0, variants={"ice[window_pages=1]": variant})
+    a = ev.run(runner.Cell("passkey", "ice[window_pages=1]", 64, 400))
+    b = ev.run(runner.Cell("passkey", "ice", 64, 400))
+    assert a["n"] == b["n"] == 1
+    assert seen == [("ice", 1, 64), ("ice", cpu_settings.window_pages, 64)]
+
+
+def test_eval_method_variants_on_the_command_line(tmp_path):
+    for methods, why in (("ice[weights=int8]", "weights is the same for every method of a run"),
+                         ("ice[budget=64]", "budget is the same for every method"),
+                         ("ice,ice", "'ice' is named twice")):  # more bad variants: test_decode_bench
+        bad = run_cli(["eval", "--methods", methods, "--n", "1"])
+        assert bad.returncode == 2, (methods, bad.stderr.decode())
+        assert why in bad.stderr.decode() and "Traceback" not in bad.stderr.decode(), methods
+    r = run_cli(["eval", "--tasks", "passkey", "--methods", "ice,ice[window_pages=1,answer_spans=1]",
+                 "--budgets", "64", "--lengths", "400", "--n", "1", "--json", "--out", str(tmp_path)])
+    assert r.returncode == 0, r.stderr.decode()
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [(x["method"], x["budget"], x["n"]) for x in rows] == [
+        ("ice", 64, 1), ("ice[window_pages=1,answer_spans=1]", 64, 1)]
+    assert json.loads((tmp_path / "config.json").read_text())["methods"] == [
+        "ice", "ice[window_pages=1,answer_spans=1]"]

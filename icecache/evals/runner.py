@@ -17,6 +17,7 @@ from ..errors import UsageError
 from ..generation import Prefilled, Session, prefill_once
 from ..prompts import qa_messages, render, summarize_messages
 from ..textgen import generated_text
+from ..variants import base_method
 from . import fidelity, passkey, ruler
 
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
@@ -40,13 +41,15 @@ def cells(tasks, methods, budgets, lengths) -> list[Cell]:
     for task in tasks:
         for length in lengths:
             for method in methods:
-                for budget in (budgets if methods_.get(method).budgeted else [0]):
+                for budget in (budgets if methods_.get(base_method(method)).budgeted else [0]):
                     out.append(Cell(task, method, budget, length))
     return out
 
 
-def _settings(base, cell: Cell):
-    return base if cell.budget == 0 else base.replace(budget=cell.budget)
+def _settings(base, cell: Cell, variants: dict | None = None):
+    """The settings of ``cell``: its method variant's (``ice[key=value]``) or ``base``, at its budget."""
+    s = (variants or {}).get(cell.method, base)
+    return s if cell.budget == 0 else s.replace(budget=cell.budget)
 
 
 def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int]]:
@@ -67,8 +70,10 @@ def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int
 class Evaluator:
     def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
                  log: Callable[[str], None] = lambda _m: None, data: str | None = None,
-                 depths: list[float] | None = None, out: Path | None = None):
+                 depths: list[float] | None = None, out: Path | None = None, variants: dict | None = None):
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        # a method label with profile keys changed ('ice[answer_spans=3]') -> its settings
+        self.variants = dict(variants or {})
         self.out = out  # with --out: each case's score is kept as it is made (cases.jsonl)
         self._cases = load_cases(out)
         self.depths = depths  # passkey, niah_single, niah_prose: needle depths (None: evenly spread)
@@ -115,11 +120,11 @@ class Evaluator:
         if self.data is None:
             raise UsageError("the longbench task needs --data PATH (JSONL of context, question, answers)")
         tok = self.loaded.tokenizer
-        settings = _settings(self.settings, cell)
+        settings = _settings(self.settings, cell, self.variants)
         f1s, rouges = [], []
         for row in longbench.load(self.data)[: self.n]:
             ids = render(tok, qa_messages(row["context"], row["question"]))
-            out, _ = Session(self.loaded, settings, cell.method).generate(ids, 64)
+            out, _ = Session(self.loaded, settings, base_method(cell.method)).generate(ids, 64)
             text = tok.decode(out)
             f1s.append(longbench.qa_f1(text, row["answers"]))
             rouges.append(longbench.rouge_l(text, row["answers"]))
@@ -162,11 +167,11 @@ class Evaluator:
                 self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][-1]:g} (from {self.out})")
                 continue
             ids = tok(case.prompt)["input_ids"]
-            settings = _settings(self.settings, cell)
-            if methods_.prefill_mode(cell.method, self.loaded.model, settings, len(ids)) == "sparse":
+            settings = _settings(self.settings, cell, self.variants)
+            if methods_.prefill_mode(base_method(cell.method), self.loaded.model, settings, len(ids)) == "sparse":
                 outs = self._sparse_group(group, ids, new_tokens)
             else:
-                session = Session(self.loaded, settings, cell.method)
+                session = Session(self.loaded, settings, base_method(cell.method))
                 outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
             for key, out in outs.items():
                 if len(scores[key]) != i:
@@ -197,18 +202,18 @@ class Evaluator:
         prefilled session while exact and within memory, the session itself for the last."""
         from ..memory import available_bytes, need_bytes, shortfall
 
-        first = _settings(self.settings, group[0])
-        session = Session(self.loaded, first, group[0].method)
+        first = _settings(self.settings, group[0], self.variants)
+        session = Session(self.loaded, first, base_method(group[0].method))
         session.new_tokens = new_tokens
         logits, _ = session.prefill(ids)  # the stepped prompt end too: it does not depend on the budget
         outs: dict[tuple, list[int]] = {}
-        need = need_bytes(group[0].method, self.loaded.model.config, session.run_settings,
+        need = need_bytes(base_method(group[0].method), self.loaded.model.config, session.run_settings,
                           len(ids) + new_tokens)
         for c in group[1:]:
             if shortfall(need, available_bytes(first)) is not None:
                 break
             try:
-                twin = session.fork(_settings(self.settings, c))
+                twin = session.fork(_settings(self.settings, c, self.variants))
             except ValueError:
                 break
             outs[c.key()] = twin.decode(logits.clone(), new_tokens)[0]
@@ -228,7 +233,7 @@ class Evaluator:
         agree = total = 0
         kl = 0.0
         for ref in self._refs[cell.length]:
-            f = fidelity.measure(self.loaded, _settings(self.settings, cell), cell.method, ref)
+            f = fidelity.measure(self.loaded, _settings(self.settings, cell, self.variants), base_method(cell.method), ref)
             agree, total, kl = agree + f.agree, total + f.total, kl + f.kl_sum
         return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
 
