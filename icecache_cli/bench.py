@@ -12,7 +12,7 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
-from icecache.variants import parse_variant, split_methods  # noqa: F401  (tests import them from here)
+from icecache.variants import parse_variant, split_methods
 
 from .options import BenchOptions, QuietOpt, with_options
 from .options import ModelOpt as FullModelOpt

@@ -172,7 +172,7 @@ def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
     """``--methods full,ice[token_pick=4,index_merge=mass]``: brackets keep their commas, the
     keys are checked as a profile's, and a bad one is a usage error naming it."""
     from icecache.errors import UsageError
-    from icecache_cli.bench import parse_variant, split_methods
+    from icecache.variants import parse_variant, split_methods
 
     assert split_methods("full, ice[token_pick=4,index_merge=mass],quest") == [
         "full", "ice[token_pick=4,index_merge=mass]", "quest"]

@@ -35,6 +35,11 @@ class Cell:
     def key(self) -> tuple:
         return (self.task, self.method, self.budget, self.length)
 
+    @property
+    def base(self) -> str:
+        """The method the cell runs: ``method`` without a variant's keys ('ice[a=1]' -> 'ice')."""
+        return base_method(self.method)
+
 
 def cells(tasks, methods, budgets, lengths) -> list[Cell]:
     out = []
@@ -44,12 +49,6 @@ def cells(tasks, methods, budgets, lengths) -> list[Cell]:
                 for budget in (budgets if methods_.get(base_method(method)).budgeted else [0]):
                     out.append(Cell(task, method, budget, length))
     return out
-
-
-def _settings(base, cell: Cell, variants: dict | None = None):
-    """The settings of ``cell``: its method variant's (``ice[key=value]``) or ``base``, at its budget."""
-    s = (variants or {}).get(cell.method, base)
-    return s if cell.budget == 0 else s.replace(budget=cell.budget)
 
 
 def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int]]:
@@ -86,6 +85,11 @@ class Evaluator:
         self._siblings: list[Cell] = []
         self._ahead: dict[tuple, dict] = {}  # rows computed with an earlier cell's group
 
+    def _settings(self, cell: Cell):
+        """The settings of ``cell``: its method variant's (``ice[key=value]``) or the run's, at its budget."""
+        s = self.variants.get(cell.method, self.settings)
+        return s if cell.budget == 0 else s.replace(budget=cell.budget)
+
     def run(self, cell: Cell, siblings: list[Cell] | tuple = ()) -> dict:
         """Score ``cell``. ``siblings``: cells still to run; those of the same task, method and
         length may be computed now from the same prefills (then returned when asked for)."""
@@ -120,11 +124,11 @@ class Evaluator:
         if self.data is None:
             raise UsageError("the longbench task needs --data PATH (JSONL of context, question, answers)")
         tok = self.loaded.tokenizer
-        settings = _settings(self.settings, cell, self.variants)
+        settings = self._settings(cell)
         f1s, rouges = [], []
         for row in longbench.load(self.data)[: self.n]:
             ids = render(tok, qa_messages(row["context"], row["question"]))
-            out, _ = Session(self.loaded, settings, base_method(cell.method)).generate(ids, 64)
+            out, _ = Session(self.loaded, settings, cell.base).generate(ids, 64)
             text = tok.decode(out)
             f1s.append(longbench.qa_f1(text, row["answers"]))
             rouges.append(longbench.rouge_l(text, row["answers"]))
@@ -167,11 +171,11 @@ class Evaluator:
                 self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][-1]:g} (from {self.out})")
                 continue
             ids = tok(case.prompt)["input_ids"]
-            settings = _settings(self.settings, cell, self.variants)
-            if methods_.prefill_mode(base_method(cell.method), self.loaded.model, settings, len(ids)) == "sparse":
+            settings = self._settings(cell)
+            if methods_.prefill_mode(cell.base, self.loaded.model, settings, len(ids)) == "sparse":
                 outs = self._sparse_group(group, ids, new_tokens)
             else:
-                session = Session(self.loaded, settings, base_method(cell.method))
+                session = Session(self.loaded, settings, cell.base)
                 outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
             for key, out in outs.items():
                 if len(scores[key]) != i:
@@ -202,18 +206,18 @@ class Evaluator:
         prefilled session while exact and within memory, the session itself for the last."""
         from ..memory import available_bytes, need_bytes, shortfall
 
-        first = _settings(self.settings, group[0], self.variants)
-        session = Session(self.loaded, first, base_method(group[0].method))
+        first = self._settings(group[0])
+        session = Session(self.loaded, first, group[0].base)
         session.new_tokens = new_tokens
         logits, _ = session.prefill(ids)  # the stepped prompt end too: it does not depend on the budget
         outs: dict[tuple, list[int]] = {}
-        need = need_bytes(base_method(group[0].method), self.loaded.model.config, session.run_settings,
+        need = need_bytes(group[0].base, self.loaded.model.config, session.run_settings,
                           len(ids) + new_tokens)
         for c in group[1:]:
             if shortfall(need, available_bytes(first)) is not None:
                 break
             try:
-                twin = session.fork(_settings(self.settings, c, self.variants))
+                twin = session.fork(self._settings(c))
             except ValueError:
                 break
             outs[c.key()] = twin.decode(logits.clone(), new_tokens)[0]
@@ -233,7 +237,7 @@ class Evaluator:
         agree = total = 0
         kl = 0.0
         for ref in self._refs[cell.length]:
-            f = fidelity.measure(self.loaded, _settings(self.settings, cell, self.variants), base_method(cell.method), ref)
+            f = fidelity.measure(self.loaded, self._settings(cell), cell.base, ref)
             agree, total, kl = agree + f.agree, total + f.total, kl + f.kl_sum
         return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
 
