@@ -60,3 +60,18 @@ def parse_variant(text: str, settings, flag: str = "--methods", fixed: tuple[str
     except ProfileError as exc:
         raise UsageError(str(exc)) from None
     return text, method.strip(), changed
+
+
+def parse_methods(text: str, settings, fixed: tuple[str, ...] = RUN_KEYS, flag: str = "--methods"):
+    """Every method of ``--methods``, parsed as ``parse_variant`` does: [(label, method, settings)].
+    A label named twice is refused (its rows could not be told apart), as is a key in ``fixed``."""
+    from .methods import check_method
+
+    out = []
+    for part in split_methods(text, flag):
+        label, method, changed = parse_variant(part, settings, flag, fixed)
+        check_method(method)
+        if any(label == seen for seen, _m, _s in out):
+            raise UsageError(f"{flag}: '{label}' is named twice")
+        out.append((label, method, changed))
+    return out

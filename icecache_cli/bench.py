@@ -12,7 +12,7 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
-from icecache.variants import parse_variant, split_methods
+from icecache.variants import parse_methods
 
 from .options import BenchOptions, QuietOpt, with_options
 from .options import ModelOpt as FullModelOpt
@@ -316,16 +316,13 @@ def decode(
 ) -> None:
     """Time per output token, resident KV bytes and the per-token breakdown, per method."""
     from icecache.bench import decode_bench
-    from icecache.methods import check_method
     from icecache.models import load_model
 
     budget, profile, model, as_json, quiet = opts.budget, opts.profile, opts.model, opts.as_json, opts.quiet
     with user_errors(), Reporter(quiet) as rep:
         sizes = [parse_size(s) for s in ctx.split(",") if s.strip()]
         settings = resolve_settings(profile, budget=budget, weights=opts.weights)
-        variants = [parse_variant(text, settings) for text in split_methods(methods)]
-        for _label, method, _s in variants:
-            check_method(method)
+        variants = parse_methods(methods, settings)
         loaded = load_model(model, settings, log=rep.info)
         results = []
         for n in sizes:

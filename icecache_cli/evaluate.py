@@ -11,7 +11,7 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
-from icecache.variants import RUN_KEYS, parse_variant, split_methods
+from icecache.variants import RUN_KEYS, parse_methods
 
 from .bench import parse_size
 from .output import Reporter, emit, stderr, user_errors
@@ -41,7 +41,7 @@ def evaluate(
 ) -> None:
     """Score methods on locally generated tasks (no downloads)."""
     from icecache.evals import runner
-    from icecache.methods import check_method, check_prefill
+    from icecache.methods import check_prefill
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:
@@ -52,12 +52,8 @@ def evaluate(
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
                                     rope_scaling=rope_scaling, weights=weights)
         method_list, variants = [], {}
-        for text in split_methods(methods):
-            label, method, method_settings = parse_variant(text, settings, fixed=(*RUN_KEYS, "budget"))
-            check_method(method)
+        for label, method, method_settings in parse_methods(methods, settings, fixed=(*RUN_KEYS, "budget")):
             check_prefill(method, method_settings)
-            if label in method_list:
-                raise UsageError(f"--methods: '{label}' is named twice")
             method_list.append(label)
             if method_settings is not settings:
                 variants[label] = method_settings

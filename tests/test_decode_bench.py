@@ -187,6 +187,20 @@ def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
         split_methods("ice[token_pick=4")
 
 
+def test_bench_decode_refuses_keys_its_methods_share(quick_profile):
+    """The model is loaded and prefilled once per run: a variant's weights, dtype or threads
+    would be silently ignored, so they are refused before the model loads; so is a label named
+    twice (its rows could not be told apart)."""
+    from .conftest import run_cli
+
+    for methods, why in (("full,ice[weights=int8]", "weights is the same for every method of a run"),
+                         ("ice[cpu_threads=1]", "cpu_threads is the same for every method"),
+                         ("full,ice,full", "'full' is named twice"), ("full,nope", "nope")):
+        bad = run_cli(["bench", "decode", "--ctx", "300", "--methods", methods, "--profile", quick_profile])
+        assert bad.returncode == 2, (methods, bad.stderr.decode())
+        assert why in bad.stderr.decode() and "Traceback" not in bad.stderr.decode(), methods
+
+
 @pytest.mark.parametrize("rounds", ["1", "2"])
 def test_bench_decode_command_rounds(rounds, quick_profile):
     """`icecache bench decode --rounds`: one method after the other (1) or taking turns (2);
