@@ -93,6 +93,11 @@ class Settings:
     # order) stay loaded from the prompt's last step on, beside the budget's pages (remapped:
     # nearest the window)
     answer_spans: int = 0
+    # the offloaded tokens a decode step does not load take part as one row per DCI-tree page
+    # (the mean of its keys and of its values, weighted by its member count), so the loaded
+    # rows' softmax weights are not inflated by what was left out. True positions only (a
+    # remapped run ignores it): ice and ice-reuse
+    rest_estimate: bool = False
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072

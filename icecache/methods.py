@@ -163,6 +163,7 @@ def ice_spec(settings: Settings, method: Method):
         carry_pages=settings.carry_pages,
         answer_steps=settings.answer_search,
         answer_spans=settings.answer_spans if method.budgeted else 0,
+        rest_estimate=settings.rest_estimate and method.budgeted,
         host_dtype=host_dtype(settings),
     )
 

@@ -26,6 +26,7 @@ GPU_CASES = {
     # answer_spans (session 29): pinned passages in their own pool slots
     "ice-spans": ("ice", {"answer_spans": 2}),
     "ice-spans-remap": ("ice", {"answer_spans": 2, "positions": "remap", "window_pages": 3}),
+    "ice-rest": ("ice", {"rest_estimate": True}),
 }
 STEPS = 24
 

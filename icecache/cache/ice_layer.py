@@ -29,9 +29,16 @@ from transformers.cache_utils import CacheLayerMixin
 
 from .backend import TorchBackend
 from .host_store import HostStore
-from .paged import chunk_positions, paged_chunk_sdpa, paged_decode_sdpa, paged_decode_weighted
+from .paged import (
+    chunk_positions,
+    paged_chunk_sdpa,
+    paged_decode_rest,
+    paged_decode_sdpa,
+    paged_decode_weighted,
+)
 from .positions import Remap, ordered_offsets, place_keys, scaled_offsets, spread_offsets
 from .resident import ResidentKV
+from .rest import RestPages
 from .selectors import PageSelector, make_selector
 from .selectors.tokens import TokenPages
 from .spans import SpanVotes, head_weights
@@ -74,6 +81,7 @@ class IceLayer(CacheLayerMixin):
         self.store: HostStore | None = None
         self.resident: ResidentKV | None = None
         self.selected: list[np.ndarray] = []
+        self.rest: RestPages | None = None  # rest_estimate: the tree pages' sums
         self._job = None  # (future, what) of this layer's background work
 
     # -- transformers' layer interface ------------------------------------------------------------
@@ -165,7 +173,8 @@ class IceLayer(CacheLayerMixin):
                                    spec.sink_tokens, S, spec.pool_pages, window_cap, spec.span_pages)
         # host rows of the pool: remapped pages are placed in token order; an estimating
         # selector weighs each row; a pinned passage's rows are not attended twice
-        self.resident.track_rows = self.remap is not None or self.estimates or self.votes is not None
+        self.resident.track_rows = (self.remap is not None or self.estimates or self.votes is not None
+                                    or self.spec.rest_estimate)
         self.resident.set_sink(k[:, :sink], v[:, :sink])
         self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
         self.resident.chunk_at = self.resident.chunk_len = 0
@@ -295,6 +304,7 @@ class IceLayer(CacheLayerMixin):
             self.answer_spans(chooser.view(H, self.group(Hq), d), scale)
         self.load()
         t0 = time.perf_counter()
+        rest = self.rest_rows()
         k, v, valid = r.tensors()
         if self.remap is not None:
             # the pages end just beyond the window, the sink just before them: the keys are placed
@@ -303,11 +313,39 @@ class IceLayer(CacheLayerMixin):
         if self.estimates and self.spec.budget_pages:
             bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)
             out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale)
+        elif rest is not None:
+            out = paged_decode_rest(q, k, v, valid, *rest, scale)
         else:
             out = paged_decode_sdpa(q, k, v, valid, scale)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
+
+    def rest_rows(self):
+        """``rest_estimate`` (:mod:`.rest`): this step's estimate rows (keys, values, log-counts:
+        one per tree page, less the rows resident in the pool), or None where it does not apply
+        (off, remapped positions, no budget, a selector without a tree, nothing offloaded)."""
+        if (not self.spec.rest_estimate or self.remap is not None or not self.spec.budget_pages
+                or self.estimates or self.store is None or not self.store.rows):
+            return None
+        selector = (self.anchor if self.anchor is not None else self).selector
+        if not hasattr(selector, "tree_pages") or not selector.indexes:
+            return None
+        r = self.resident
+        if self.rest is None:
+            self.rest = RestPages(self.heads, self.head_dim, r.keys.device)
+        in_pool = r.valid[:, r.pool_at : r.window_at]
+        npages, resident = [], []
+        for h in range(self.heads):
+            members, count, version, n, row_page = selector.tree_pages(h)
+            self.rest.refresh(h, members, count, version, n, self.store)
+            npages.append(n)
+            at = np.flatnonzero(in_pool[h])
+            rows = r.pool_row[h, at]
+            pages = np.where(rows >= 0, row_page[np.maximum(rows, 0)], -1)
+            idx = torch.from_numpy(at + r.pool_at).to(r.keys.device)
+            resident.append((r.keys[h, idx], r.values[h, idx], pages))
+        return self.rest.rest(npages, resident)
 
     def step_pages(self) -> int:
         """Pages this decode step selects per KV head: a prompt token that a sparse prefill

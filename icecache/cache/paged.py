@@ -60,6 +60,38 @@ def paged_decode_weighted(q, k, v, valid, bias, pool_at, scaling):
     return out[:, 0]
 
 
+def rest_mask(valid: torch.Tensor, rest_bias: torch.Tensor, G: int) -> torch.Tensor:
+    """An additive mask (H, G, L + P) over the resident rows (0 where valid, -inf elsewhere)
+    followed by the estimate rows' ``rest_bias`` (H, P), the same for a KV head's query heads."""
+    H, L = valid.shape
+    P = rest_bias.shape[1]
+    mask = torch.zeros(H, G, L + P, dtype=torch.float32, device=valid.device)
+    mask[:, :, :L].masked_fill_(~valid[:, None, :], float("-inf"))
+    mask[:, :, L:] = rest_bias[:, None, :].to(mask.device, torch.float32)
+    return mask
+
+
+def paged_decode_rest_reference(q, k, v, valid, rest_k, rest_v, rest_bias, scaling):
+    """:func:`paged_decode_reference` with estimate rows beside the resident ones (``rest_estimate``,
+    :mod:`.rest`): ``rest_k``, ``rest_v`` (H, P, d) and ``rest_bias`` (H, P) added to their
+    scores (log of the rows each stands for; -inf: none). Softmax over all, in float32."""
+    keys = torch.cat([k.float(), rest_k.float()], 1)
+    values = torch.cat([v.float(), rest_v.float()], 1)
+    scores = torch.einsum("hgd,hld->hgl", q.float(), keys) * scaling
+    scores = scores + rest_mask(valid, rest_bias, q.shape[1])
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hgl,hld->hgd", probs, values).to(q.dtype)
+
+
+def paged_decode_rest(q, k, v, valid, rest_k, rest_v, rest_bias, scaling):
+    """:func:`paged_decode_rest_reference` through torch's fused SDPA."""
+    keys = torch.cat([k, rest_k.to(k.dtype)], 1)
+    values = torch.cat([v, rest_v.to(v.dtype)], 1)
+    mask = rest_mask(valid, rest_bias, q.shape[1])[:, None].to(q.dtype)  # (H, 1, G, L + P)
+    out = F.scaled_dot_product_attention(q[:, None], keys[:, None], values[:, None], attn_mask=mask, scale=scaling)
+    return out[:, 0]
+
+
 def chunk_positions(C: int, n: int) -> np.ndarray:
     """``n`` positions of a chunk of ``C`` queries, evenly spread and ending at the last one."""
     return np.unique(np.linspace(0, C - 1, min(n, C)).round().astype(np.int64)) if C else np.empty(0, np.int64)

@@ -38,6 +38,9 @@ class IceSpec:
     carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
     answer_steps: int = 0  # the first N generated tokens search tail_beam_frac of the keys (0: off)
     answer_spans: int = 0  # passages pinned for the answer after the prompt's end voted (0: off)
+    # dci, true positions: each tree page not loaded attends as one row (mean key and value,
+    # log(members) added to its score) (:mod:`.rest`)
+    rest_estimate: bool = False
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property

@@ -132,6 +132,12 @@ class DCISelector(HeadIndexes):
             chosen = table.choose(rows)
         return chosen
 
+    def tree_pages(self, head: int):
+        """Head ``head``'s tree pages, whatever the pool loads (``rest_estimate``): (members,
+        count, versions, pages in use, the tree page of each host row (-1: none))."""
+        tree = self.indexes[head]
+        return tree.members, tree.count, self.versions[head], tree.npages, tree.tok_page
+
     def page_table(self, head: int):
         if self.picking:
             return self.picks[head].table()
