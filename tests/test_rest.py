@@ -26,58 +26,79 @@ def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact():
     rk, rv = torch.randn(H, P, d, generator=g), torch.randn(H, P, d, generator=g)
     bias = torch.rand(H, P, generator=g) * 3
     bias[1, 2] = float("-inf")  # a page with nothing left
-    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, rk, rv, bias, 0.4),
-                               paged_decode_rest_reference(q, k, v, valid, rk, rv, bias, 0.4))
+    groups = [(rk, rv, bias), (rk[:, :3] * 2, rv[:, :3], torch.zeros(H, 3))]
+    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, groups, 0.4),
+                               paged_decode_rest_reference(q, k, v, valid, groups, 0.4))
     # groups of one row, weight 1 (log 1 = 0): attention over the resident rows and those rows
-    got = paged_decode_rest(q, k, v, valid, rk, rv, torch.zeros(H, P), 0.4)
+    got = paged_decode_rest(q, k, v, valid, [(rk, rv, torch.zeros(H, P))], 0.4)
     every = paged_decode_reference(q, torch.cat([k, rk], 1), torch.cat([v, rv], 1),
                                    torch.cat([valid, torch.ones(H, P, dtype=torch.bool)], 1), 0.4)
     torch.testing.assert_close(got, every)
     # a group of n equal rows counts n times: one row with log(n) added is the same attention
     twice = paged_decode_reference(q, torch.cat([k, rk, rk], 1), torch.cat([v, rv, rv], 1),
                                    torch.cat([valid, torch.ones(H, 2 * P, dtype=torch.bool)], 1), 0.4)
-    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, rk, rv, torch.full((H, P), np.log(2.0)), 0.4),
+    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, [(rk, rv, torch.full((H, P), np.log(2.0)))], 0.4),
                                twice)
 
 
-def rest_spec(budget: int, on: bool = True):
-    return dataclasses.replace(spec(budget_pages=budget), rest_estimate=on)
+def rest_spec(budget: int, on: bool = True, **changes):
+    return dataclasses.replace(spec(budget_pages=budget), rest_estimate=on, **changes)
 
 
-def test_rest_rows_equal_a_numpy_reference_after_evictions():
+def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
+    return torch.cat([t, torch.full((rows - len(t), *t.shape[1:]), fill)])
+
+
+@pytest.mark.parametrize("pick", [0, 2])
+def test_rest_rows_equal_a_numpy_reference_after_evictions(pick):
     """After a prefill and 40 steps (pages left the window, tree pages changed versions), each
-    layer's estimate rows are the means of every tree page's non-resident members."""
+    layer's estimate rows stand for every tree page's non-resident members, each counted once:
+    attention over them equals attention over the resident rows and NumPy's page means. The
+    pool holds whole tree pages (pick 0: loaded pages masked) or picked tokens (pick 2: their
+    pages' sums less the resident rows)."""
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(4)
     prompt, forced = rng.integers(0, 97, 150).tolist(), rng.integers(0, 97, 40).tolist()
-    cache = ice_cache(model, rest_spec(budget=2))
+    cache = ice_cache(model, rest_spec(budget=2, token_pick=pick))
     run_steps(model, cache, prompt, forced)
-    checked = 0
+    g = torch.Generator().manual_seed(5)
+    pages_checked = 0
     for layer in cache.ice_layers():
-        got_k, got_v, got_b = layer.rest_rows()
+        groups = layer.rest_rows()
         r, store = layer.resident, layer.store
-        n = store.rows
+        n, d = store.rows, layer.head_dim
         K, V = store.keys[:, :n].float().numpy(), store.values[:, :n].float().numpy()
+        k, v, valid = r.tensors()
+        ref_k, ref_v, ref_b = [], [], []
         for h in range(layer.heads):
             members, count, _version, npages, row_page = layer.selector.tree_pages(h)
             in_pool = r.valid[h, r.pool_at : r.window_at]
             resident = set(r.pool_row[h][in_pool].tolist())
             assert resident, "the pool holds rows"
+            rows_k, rows_v, rows_b = [], [], []
             for p in range(npages):
-                rows = [int(x) for x in members[p, : count[p]] if int(x) not in resident]
                 assert all(row_page[x] == p for x in members[p, : count[p]])
-                if not rows:
-                    assert got_b[h, p] == float("-inf")
-                    continue
-                np.testing.assert_allclose(got_k[h, p].numpy(), K[h, rows].mean(0), rtol=1e-4, atol=1e-5)
-                np.testing.assert_allclose(got_v[h, p].numpy(), V[h, rows].mean(0), rtol=1e-4, atol=1e-5)
-                assert float(got_b[h, p]) == pytest.approx(np.log(len(rows)))
-                checked += 1
-            assert np.isneginf(got_b[h, npages:].numpy()).all()  # padding past this head's pages
+                rows = [int(x) for x in members[p, : count[p]] if int(x) not in resident]
+                if rows:
+                    rows_k.append(K[h, rows].mean(0))
+                    rows_v.append(V[h, rows].mean(0))
+                    rows_b.append(np.log(len(rows)))
             # every offloaded row is counted once: resident, or in a page's estimate
-            b = got_b[h].numpy()
-            assert round(float(np.exp(b[np.isfinite(b)]).sum())) + len(resident) == n
-    assert checked > 20
+            left = sum(float(gb[h][torch.isfinite(gb[h])].exp().sum()) for _k, _v, gb in groups)
+            assert round(left) + len(resident) == n == round(float(np.exp(rows_b).sum())) + len(resident)
+            pages_checked += len(rows_b)
+            ref_k.append(torch.tensor(np.array(rows_k)))
+            ref_v.append(torch.tensor(np.array(rows_v)))
+            ref_b.append(torch.tensor(rows_b, dtype=torch.float32))
+        # pad the heads' reference rows to one length (-inf: no row)
+        P = max(len(b) for b in ref_b)
+        reference = [(torch.stack([padded(x, P, 0.0) for x in ref_k]), torch.stack([padded(x, P, 0.0) for x in ref_v]),
+                      torch.stack([padded(x, P, float("-inf")) for x in ref_b]))]
+        q = torch.randn(layer.heads, 2, d, generator=g)
+        torch.testing.assert_close(paged_decode_rest(q, k, v, torch.as_tensor(valid), groups, 0.3),
+                                   paged_decode_rest_reference(q, k, v, torch.as_tensor(valid), reference, 0.3),
+                                   rtol=1e-4, atol=1e-5)
+    assert pages_checked > 20
 
 
 def test_rest_estimate_brings_a_small_budget_near_full_and_is_off_by_default():

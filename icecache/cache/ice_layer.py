@@ -314,7 +314,7 @@ class IceLayer(CacheLayerMixin):
             bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)
             out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale)
         elif rest is not None:
-            out = paged_decode_rest(q, k, v, valid, *rest, scale)
+            out = paged_decode_rest(q, k, v, valid, rest, scale)
         else:
             out = paged_decode_sdpa(q, k, v, valid, scale)
         self.backend.timer_sync()
@@ -322,9 +322,10 @@ class IceLayer(CacheLayerMixin):
         return out.reshape(1, 1, Hq, d)
 
     def rest_rows(self):
-        """``rest_estimate`` (:mod:`.rest`): this step's estimate rows (keys, values, log-counts:
-        one per tree page, less the rows resident in the pool), or None where it does not apply
-        (off, remapped positions, no budget, a selector without a tree, nothing offloaded)."""
+        """``rest_estimate`` (:mod:`.rest`): this step's estimate rows (groups of keys, values,
+        log-counts: one row per tree page, less the rows resident in the pool), or None where it
+        does not apply (off, remapped positions, no budget, a selector without a tree, nothing
+        offloaded)."""
         if (not self.spec.rest_estimate or self.remap is not None or not self.spec.budget_pages
                 or self.estimates or self.store is None or not self.store.rows):
             return None
@@ -334,18 +335,24 @@ class IceLayer(CacheLayerMixin):
         r = self.resident
         if self.rest is None:
             self.rest = RestPages(self.heads, self.head_dim, r.keys.device)
+        whole = self.pinned is None and not getattr(selector, "picking", False)
         in_pool = r.valid[:, r.pool_at : r.window_at]
-        npages, resident = [], []
+        pool_pages = np.full(in_pool.shape, -1, np.int64)
+        npages = 0
         for h in range(self.heads):
             members, count, version, n, row_page = selector.tree_pages(h)
             self.rest.refresh(h, members, count, version, n, self.store)
-            npages.append(n)
-            at = np.flatnonzero(in_pool[h])
-            rows = r.pool_row[h, at]
-            pages = np.where(rows >= 0, row_page[np.maximum(rows, 0)], -1)
-            idx = torch.from_numpy(at + r.pool_at).to(r.keys.device)
-            resident.append((r.keys[h, idx], r.values[h, idx], pages))
-        return self.rest.rest(npages, resident)
+            npages = max(npages, n)
+            if whole:
+                continue
+            rows = r.pool_row[h]
+            ok = in_pool[h] & (rows >= 0)
+            pool_pages[h, ok] = row_page[rows[ok]]
+        if whole:  # the pool's slots hold whole tree pages at their current version (load planned so)
+            in_use = in_pool[:, :: r.page_size]  # a slot's first row: valid while this step uses it
+            return self.rest.rest_whole(npages, np.where(in_use, r.slot_page, -1))
+        pool = slice(r.pool_at, r.window_at)
+        return self.rest.rest(npages, pool_pages, r.keys[:, pool], r.values[:, pool])
 
     def step_pages(self) -> int:
         """Pages this decode step selects per KV head: a prompt token that a sparse prefill

@@ -28,73 +28,101 @@ from .host_store import HostStore
 
 
 class RestPages:
-    """Sums of keys and values (float32, on ``device``) and member counts per tree page, per KV
-    head of one layer."""
+    """Per KV head of one layer, the sums of each tree page's keys and values and its member
+    count (``sums``: (heads, pages, 2 * head_dim + 1) float32 on ``device``), and each page's
+    mean key, mean value and log-count (``means``, ``logc``), computed when the sums change."""
 
     def __init__(self, heads: int, head_dim: int, device: torch.device | str):
         self.heads, self.head_dim, self.device = heads, head_dim, torch.device(device)
-        self.ksum = [torch.zeros(0, head_dim, device=self.device) for _ in range(heads)]
-        self.vsum = [torch.zeros(0, head_dim, device=self.device) for _ in range(heads)]
-        self.count = [torch.zeros(0, device=self.device) for _ in range(heads)]
-        self.seen = [np.zeros(0, np.int64) for _ in range(heads)]  # the page versions summed
+        self.sums = torch.zeros(heads, 0, 2 * head_dim + 1, device=self.device)
+        self.means = torch.zeros(heads, 0, 2 * head_dim, device=self.device)
+        self.logc = torch.zeros(heads, 0, device=self.device)
+        self.seen = np.zeros((heads, 0), np.int64)  # the page versions summed (-1: never)
+
+    def _grow(self, pages: int) -> None:
+        old = self.seen.shape[1]
+        cap = max(pages, 2 * old, 64)
+        seen = np.full((self.heads, cap), -1, np.int64)
+        seen[:, :old] = self.seen
+        self.seen = seen
+        for name in ("sums", "means", "logc"):
+            t = getattr(self, name)
+            bigger = torch.zeros((self.heads, cap, *t.shape[2:]), device=self.device)
+            bigger[:, :old] = t
+            setattr(self, name, bigger)
+        self.logc[:, old:] = float("-inf")
 
     def refresh(self, head: int, members: np.ndarray, count: np.ndarray, version: np.ndarray,
                 npages: int, store: HostStore) -> None:
         """Sum again head ``head``'s pages whose version changed since the last call (every page
         the first time): ``members`` (pages, S) host rows, ``count`` (pages,) rows used."""
-        if len(self.seen[head]) < npages:
-            grow = max(npages, 2 * len(self.seen[head]))
-            old = len(self.seen[head])
-            seen = np.full(grow, -1, np.int64)
-            seen[:old] = self.seen[head]
-            self.seen[head] = seen
-            for name in ("ksum", "vsum", "count"):
-                t = getattr(self, name)[head]
-                bigger = torch.zeros((grow, *t.shape[1:]), device=self.device)
-                bigger[:old] = t
-                getattr(self, name)[head] = bigger
+        if self.seen.shape[1] <= npages:  # a spare page past the last (rest pads with it)
+            self._grow(npages + 1)
         seen = self.seen[head]
         changed = np.flatnonzero(version[:npages] != seen[:npages])
         if not len(changed):
             return
         n = count[changed].astype(np.int64)
-        S = members.shape[1]
+        S, d = members.shape[1], self.head_dim
         used = np.arange(S)[None, :] < n[:, None]
         rows = torch.from_numpy(np.where(used, members[changed], 0).astype(np.int64))
         mask = torch.from_numpy(used)[..., None]
-        keys = (store.keys[head][rows].float() * mask).sum(1)  # (changed, d)
-        values = (store.values[head][rows].float() * mask).sum(1)
+        sums = torch.empty(len(changed), 2 * d + 1)
+        sums[:, :d] = (store.keys[head][rows].float() * mask).sum(1)
+        sums[:, d : 2 * d] = (store.values[head][rows].float() * mask).sum(1)
+        sums[:, -1] = torch.from_numpy(n).float()
         at = torch.from_numpy(changed).to(self.device)
-        self.ksum[head][at] = keys.to(self.device)
-        self.vsum[head][at] = values.to(self.device)
-        self.count[head][at] = torch.from_numpy(n).float().to(self.device)
+        sums = sums.to(self.device)
+        self.sums[head, at] = sums
+        self.means[head, at], self.logc[head, at] = mean_rows(sums, d)
         seen[changed] = version[changed]
 
-    def rest(self, npages: list[int], resident: list[tuple[torch.Tensor, torch.Tensor, np.ndarray]]):
-        """The estimate rows of every head, without the resident rows: ``npages[h]`` pages of
-        head ``h``; ``resident[h]`` = (keys, values (m, d) on the device, tree page of each
-        (m,), -1: none). Returns keys, values (heads, P, d) float32 (each page's mean; P the
-        most pages of a head) and the log of each page's count (heads, P; -inf where none is
-        left, and past a head's own pages)."""
-        P = max(npages)
-        ks, vs, bias = [], [], []
-        for h in range(self.heads):
-            k = torch.zeros(P, self.head_dim, device=self.device)
-            v = torch.zeros(P, self.head_dim, device=self.device)
-            c = torch.zeros(P, device=self.device)
-            m = npages[h]
-            k[:m], v[:m], c[:m] = self.ksum[h][:m], self.vsum[h][:m], self.count[h][:m]
-            rk, rv, pages = resident[h]
-            ok = pages >= 0
-            if ok.any():
-                at = torch.from_numpy(pages[ok].astype(np.int64)).to(self.device)
-                sel = torch.from_numpy(np.flatnonzero(ok)).to(rk.device)
-                k.index_add_(0, at, rk[sel].float(), alpha=-1)
-                v.index_add_(0, at, rv[sel].float(), alpha=-1)
-                c.index_add_(0, at, torch.ones(len(at), device=self.device), alpha=-1)
-            left = c > 0.5
-            n = c.clamp(min=1)[:, None]
-            ks.append(k / n)
-            vs.append(v / n)
-            bias.append(torch.where(left, c.clamp(min=1).log(), torch.full_like(c, float("-inf"))))
-        return torch.stack(ks), torch.stack(vs), torch.stack(bias)
+    def rest_whole(self, npages: int, loaded: np.ndarray):
+        """The estimate rows when the pool holds whole tree pages only (no pinned passage, no
+        picked tokens): every page's cached mean, with the ``loaded`` pages (heads, slots; -1:
+        an empty slot) masked. One group, for :func:`~.paged.paged_decode_rest`."""
+        bias = self.logc[:, : npages + 1].clone()  # column npages takes the empty slots
+        at = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
+        bias.scatter_(1, at, float("-inf"))
+        d = self.head_dim
+        return [(self.means[:, :npages, :d], self.means[:, :npages, d:], bias[:, :npages])]
+
+    def rest(self, npages: int, pool_pages: np.ndarray, pool_k: torch.Tensor, pool_v: torch.Tensor):
+        """The estimate rows of every head without the resident rows, as groups for
+        :func:`~.paged.paged_decode_rest`: ``npages`` (the most pages of a head); ``pool_pages``
+        (heads, R): the tree page of each pool row (-1: none, or not resident), ``pool_k``,
+        ``pool_v`` (heads, R, d) those rows on the device.
+
+        Two groups: every page's cached mean, with the pages that hold resident rows masked
+        (-inf); and those pages again, their sums less the resident rows (at most a few dozen
+        per head: the step's copy is that small, not the whole table)."""
+        d = self.head_dim
+        bias = self.logc[:, : npages + 1].clone()  # page npages: the padding's (none has it)
+        held = [np.unique(p[p >= 0]) for p in pool_pages]
+        T = max(1, max(len(u) for u in held))
+        touched = np.full((self.heads, T), npages, np.int64)
+        slot = np.full(pool_pages.shape, self.heads * T, np.int64)  # a row not resident: a spare slot
+        for h, pages in enumerate(held):
+            touched[h, : len(pages)] = pages
+            ok = pool_pages[h] >= 0
+            slot[h, ok] = h * T + np.searchsorted(pages, pool_pages[h, ok])
+        pad = np.arange(T)[None, :] >= np.array([len(u) for u in held])[:, None]
+        at = torch.from_numpy(touched).to(self.device)
+        bias.scatter_(1, at, float("-inf"))
+        less = torch.zeros(self.heads * T + 1, 2 * d + 1, device=self.device)
+        rows = torch.cat([pool_k.float(), pool_v.float(), torch.ones(*pool_k.shape[:2], 1, device=pool_k.device)], -1)
+        less.index_add_(0, torch.from_numpy(slot.reshape(-1)).to(self.device), rows.reshape(-1, 2 * d + 1).to(self.device))
+        left = torch.gather(self.sums, 1, at[..., None].expand(self.heads, T, 2 * d + 1)) - less[:-1].view(self.heads, T, -1)
+        means, logc = mean_rows(left, d)
+        logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
+        return [(self.means[:, :npages, :d], self.means[:, :npages, d:], bias[:, :npages]),
+                (means[..., :d], means[..., d:], logc)]
+
+
+def mean_rows(sums: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sums (..., 2d + 1: keys, values, count) -> the means (..., 2d) and the log-count (-inf
+    where the count is zero)."""
+    count = sums[..., -1]
+    means = sums[..., : 2 * d] / count.clamp(min=1)[..., None]
+    logc = torch.where(count > 0.5, count.clamp(min=1).log(), torch.full_like(count, float("-inf")))
+    return means, logc
