@@ -26,18 +26,19 @@ def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact():
     rk, rv = torch.randn(H, P, d, generator=g), torch.randn(H, P, d, generator=g)
     bias = torch.rand(H, P, generator=g) * 3
     bias[1, 2] = float("-inf")  # a page with nothing left
-    groups = [(rk, rv, bias), (rk[:, :3] * 2, rv[:, :3], torch.zeros(H, 3))]
+    rkt = rk.transpose(1, 2)  # a group's keys come transposed (H, d, P)
+    groups = [(rkt, rv, bias), ((rk[:, :3] * 2).transpose(1, 2), rv[:, :3], torch.zeros(H, 3))]
     torch.testing.assert_close(paged_decode_rest(q, k, v, valid, groups, 0.4),
                                paged_decode_rest_reference(q, k, v, valid, groups, 0.4))
     # groups of one row, weight 1 (log 1 = 0): attention over the resident rows and those rows
-    got = paged_decode_rest(q, k, v, valid, [(rk, rv, torch.zeros(H, P))], 0.4)
+    got = paged_decode_rest(q, k, v, valid, [(rkt, rv, torch.zeros(H, P))], 0.4)
     every = paged_decode_reference(q, torch.cat([k, rk], 1), torch.cat([v, rv], 1),
                                    torch.cat([valid, torch.ones(H, P, dtype=torch.bool)], 1), 0.4)
     torch.testing.assert_close(got, every)
     # a group of n equal rows counts n times: one row with log(n) added is the same attention
     twice = paged_decode_reference(q, torch.cat([k, rk, rk], 1), torch.cat([v, rv, rv], 1),
                                    torch.cat([valid, torch.ones(H, 2 * P, dtype=torch.bool)], 1), 0.4)
-    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, [(rk, rv, torch.full((H, P), np.log(2.0)))], 0.4),
+    torch.testing.assert_close(paged_decode_rest(q, k, v, valid, [(rkt, rv, torch.full((H, P), np.log(2.0)))], 0.4),
                                twice)
 
 
@@ -92,7 +93,8 @@ def test_rest_rows_equal_a_numpy_reference_after_evictions(pick):
             ref_b.append(torch.tensor(rows_b, dtype=torch.float32))
         # pad the heads' reference rows to one length (-inf: no row)
         P = max(len(b) for b in ref_b)
-        reference = [(torch.stack([padded(x, P, 0.0) for x in ref_k]), torch.stack([padded(x, P, 0.0) for x in ref_v]),
+        reference = [(torch.stack([padded(x, P, 0.0) for x in ref_k]).transpose(1, 2),
+                      torch.stack([padded(x, P, 0.0) for x in ref_v]),
                       torch.stack([padded(x, P, float("-inf")) for x in ref_b]))]
         q = torch.randn(layer.heads, 2, d, generator=g)
         torch.testing.assert_close(paged_decode_rest(q, k, v, torch.as_tensor(valid), groups, 0.3),

@@ -335,22 +335,24 @@ class IceLayer(CacheLayerMixin):
         r = self.resident
         if self.rest is None:
             self.rest = RestPages(self.heads, self.head_dim, r.keys.device)
-        whole = self.pinned is None and not getattr(selector, "picking", False)
+        if self.rest.rows != self.store.rows:  # the tree changes only when keys go into it
+            for h in range(self.heads):
+                members, count, version, n, _row_page = selector.tree_pages(h)
+                self.rest.refresh(h, members, count, version, n, self.store)
+            self.rest.rows = self.store.rows
+            self.rest.npages = max(selector.tree_pages(h)[3] for h in range(self.heads))
+        npages = self.rest.npages
         in_pool = r.valid[:, r.pool_at : r.window_at]
+        if self.pinned is None and not getattr(selector, "picking", False):
+            # the pool's slots hold whole tree pages at their current version (load planned so)
+            in_use = in_pool[:, :: r.page_size]  # a slot's first row: valid while this step uses it
+            return self.rest.rest_whole(npages, np.where(in_use, r.slot_page, -1))
         pool_pages = np.full(in_pool.shape, -1, np.int64)
-        npages = 0
         for h in range(self.heads):
-            members, count, version, n, row_page = selector.tree_pages(h)
-            self.rest.refresh(h, members, count, version, n, self.store)
-            npages = max(npages, n)
-            if whole:
-                continue
+            row_page = selector.tree_pages(h)[4]
             rows = r.pool_row[h]
             ok = in_pool[h] & (rows >= 0)
             pool_pages[h, ok] = row_page[rows[ok]]
-        if whole:  # the pool's slots hold whole tree pages at their current version (load planned so)
-            in_use = in_pool[:, :: r.page_size]  # a slot's first row: valid while this step uses it
-            return self.rest.rest_whole(npages, np.where(in_use, r.slot_page, -1))
         pool = slice(r.pool_at, r.window_at)
         return self.rest.rest(npages, pool_pages, r.keys[:, pool], r.values[:, pool])
 

@@ -62,10 +62,10 @@ def paged_decode_weighted(q, k, v, valid, bias, pool_at, scaling):
 
 def paged_decode_rest_reference(q, k, v, valid, groups, scaling):
     """:func:`paged_decode_reference` with estimate rows beside the resident ones (``rest_estimate``,
-    :mod:`.rest`): each of ``groups`` is (keys, values (H, P, d), bias (H, P)), the bias added to
-    those rows' scores (the log of the rows each stands for; -inf: none). Softmax over all, in
-    float32."""
-    keys = torch.cat([k.float()] + [g[0].float() for g in groups], 1)
+    :mod:`.rest`): each of ``groups`` is (keys transposed (H, d, P), values (H, P, d), bias
+    (H, P)), the bias added to those rows' scores (the log of the rows each stands for; -inf:
+    none). Softmax over all, in float32."""
+    keys = torch.cat([k.float()] + [g[0].float().transpose(1, 2) for g in groups], 1)
     values = torch.cat([v.float()] + [g[1].float() for g in groups], 1)
     bias = torch.cat([torch.zeros(valid.shape)] + [g[2].float().cpu() for g in groups], 1)
     allowed = torch.cat([valid.cpu()] + [torch.ones(g[2].shape, dtype=torch.bool) for g in groups], 1)
@@ -84,13 +84,13 @@ def paged_decode_rest(q, k, v, valid, groups, scaling):
     for gk, _gv, gb in groups:
         H, G = q.shape[0], q.shape[1]
         scores.append(torch.baddbmm(gb[:, None, :].to(q.dtype).expand(H, G, gb.shape[1]), q,
-                                    gk.to(q.dtype).transpose(1, 2), alpha=scaling))
+                                    gk.to(q.dtype), alpha=scaling))
     probs = torch.softmax(torch.cat(scores, -1), dim=-1)
     L = k.shape[1]
     out = torch.bmm(probs[..., :L], v)
     at = L
     for gk, gv, _gb in groups:
-        n = gk.shape[1]
+        n = gk.shape[2]
         out.baddbmm_(probs[..., at : at + n], gv.to(v.dtype))
         at += n
     return out

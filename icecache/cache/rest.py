@@ -30,14 +30,19 @@ from .host_store import HostStore
 class RestPages:
     """Per KV head of one layer, the sums of each tree page's keys and values and its member
     count (``sums``: (heads, pages, 2 * head_dim + 1) float32 on ``device``), and each page's
-    mean key, mean value and log-count (``means``, ``logc``), computed when the sums change."""
+    mean key (``keys_t``: (heads, head_dim, pages), laid out for the score product), mean value
+    (``values``: (heads, pages, head_dim)) and log-count (``logc``), computed when the sums
+    change."""
 
     def __init__(self, heads: int, head_dim: int, device: torch.device | str):
         self.heads, self.head_dim, self.device = heads, head_dim, torch.device(device)
         self.sums = torch.zeros(heads, 0, 2 * head_dim + 1, device=self.device)
-        self.means = torch.zeros(heads, 0, 2 * head_dim, device=self.device)
+        self.keys_t = torch.zeros(heads, head_dim, 0, device=self.device)
+        self.values = torch.zeros(heads, 0, head_dim, device=self.device)
         self.logc = torch.zeros(heads, 0, device=self.device)
         self.seen = np.zeros((heads, 0), np.int64)  # the page versions summed (-1: never)
+        self.rows = -1  # the host store's rows when last refreshed (the caller's bookkeeping)
+        self.npages = 0  # the most pages of a head then
 
     def _grow(self, pages: int) -> None:
         old = self.seen.shape[1]
@@ -45,11 +50,14 @@ class RestPages:
         seen = np.full((self.heads, cap), -1, np.int64)
         seen[:, :old] = self.seen
         self.seen = seen
-        for name in ("sums", "means", "logc"):
+        for name in ("sums", "values", "logc"):
             t = getattr(self, name)
             bigger = torch.zeros((self.heads, cap, *t.shape[2:]), device=self.device)
             bigger[:, :old] = t
             setattr(self, name, bigger)
+        keys_t = torch.zeros(self.heads, self.head_dim, cap, device=self.device)
+        keys_t[:, :, :old] = self.keys_t
+        self.keys_t = keys_t
         self.logc[:, old:] = float("-inf")
 
     def refresh(self, head: int, members: np.ndarray, count: np.ndarray, version: np.ndarray,
@@ -74,7 +82,9 @@ class RestPages:
         at = torch.from_numpy(changed).to(self.device)
         sums = sums.to(self.device)
         self.sums[head, at] = sums
-        self.means[head, at], self.logc[head, at] = mean_rows(sums, d)
+        means, self.logc[head, at] = mean_rows(sums, d)
+        self.keys_t[head][:, at] = means[:, :d].T
+        self.values[head, at] = means[:, d:]
         seen[changed] = version[changed]
 
     def rest_whole(self, npages: int, loaded: np.ndarray):
@@ -84,8 +94,7 @@ class RestPages:
         bias = self.logc[:, : npages + 1].clone()  # column npages takes the empty slots
         at = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
         bias.scatter_(1, at, float("-inf"))
-        d = self.head_dim
-        return [(self.means[:, :npages, :d], self.means[:, :npages, d:], bias[:, :npages])]
+        return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages])]
 
     def rest(self, npages: int, pool_pages: np.ndarray, pool_k: torch.Tensor, pool_v: torch.Tensor):
         """The estimate rows of every head without the resident rows, as groups for
@@ -115,8 +124,8 @@ class RestPages:
         left = torch.gather(self.sums, 1, at[..., None].expand(self.heads, T, 2 * d + 1)) - less[:-1].view(self.heads, T, -1)
         means, logc = mean_rows(left, d)
         logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
-        return [(self.means[:, :npages, :d], self.means[:, :npages, d:], bias[:, :npages]),
-                (means[..., :d], means[..., d:], logc)]
+        return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages]),
+                (means[..., :d].transpose(1, 2), means[..., d:], logc)]
 
 
 def mean_rows(sums: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
