@@ -8,11 +8,11 @@ with ``log(members)`` added to its score. Its weight is then ``members * exp(q .
 which stands for the members' summed ``exp(q . key)`` (a lower bound, by Jensen; close for a page
 of similar keys, which is what the tree's pages are). The loaded rows keep their exact scores.
 
-:class:`RestPages` keeps, per KV head, the sums of each tree page's keys and values and its
-member count, read from the host store and brought up to date from the page versions the pool
-already compares (a page whose members changed is summed again). A step subtracts the rows that
-are resident in the pool (a loaded page's rows, pinned passages, picked tokens), by the tree page
-each row belongs to, so no token is counted twice.
+:class:`RestPages` keeps, per KV head, each tree page's mean key, mean value and member count,
+read from the host store and brought up to date from the page versions the pool already compares
+(a page whose members changed is summed again). A step masks the pages loaded whole; rows
+resident otherwise (pinned passages, picked tokens) are subtracted from their tree page, so no
+token is counted twice.
 
 Only with true positions: with remapped positions every page would sit at one distance just
 beyond the window, and the estimate of a 100k-token document's pages (thousands of rows there)
@@ -28,15 +28,14 @@ from .host_store import HostStore
 
 
 class RestPages:
-    """Per KV head of one layer, the sums of each tree page's keys and values and its member
-    count (``sums``: (heads, pages, 2 * head_dim + 1) float32 on ``device``), and each page's
-    mean key (``keys_t``: (heads, head_dim, pages), laid out for the score product), mean value
-    (``values``: (heads, pages, head_dim)) and log-count (``logc``), computed when the sums
-    change."""
+    """Per KV head of one layer, each tree page's mean key (``keys_t``: (heads, head_dim, pages),
+    laid out for the score product), mean value (``values``: (heads, pages, head_dim)), member
+    count (``count``) and its log (``logc``), float32 on ``device``: about 130 floats per page
+    and KV head, computed again when a page's members change."""
 
     def __init__(self, heads: int, head_dim: int, device: torch.device | str):
         self.heads, self.head_dim, self.device = heads, head_dim, torch.device(device)
-        self.sums = torch.zeros(heads, 0, 2 * head_dim + 1, device=self.device)
+        self.count = torch.zeros(heads, 0, device=self.device)
         self.keys_t = torch.zeros(heads, head_dim, 0, device=self.device)
         self.values = torch.zeros(heads, 0, head_dim, device=self.device)
         self.logc = torch.zeros(heads, 0, device=self.device)
@@ -50,7 +49,7 @@ class RestPages:
         seen = np.full((self.heads, cap), -1, np.int64)
         seen[:, :old] = self.seen
         self.seen = seen
-        for name in ("sums", "values", "logc"):
+        for name in ("count", "values", "logc"):
             t = getattr(self, name)
             bigger = torch.zeros((self.heads, cap, *t.shape[2:]), device=self.device)
             bigger[:, :old] = t
@@ -81,7 +80,7 @@ class RestPages:
         sums[:, -1] = torch.from_numpy(n).float()
         at = torch.from_numpy(changed).to(self.device)
         sums = sums.to(self.device)
-        self.sums[head, at] = sums
+        self.count[head, at] = sums[:, -1]
         means, self.logc[head, at] = mean_rows(sums, d)
         self.keys_t[head][:, at] = means[:, :d].T
         self.values[head, at] = means[:, d:]
@@ -121,7 +120,10 @@ class RestPages:
         less = torch.zeros(self.heads * T + 1, 2 * d + 1, device=self.device)
         rows = torch.cat([pool_k.float(), pool_v.float(), torch.ones(*pool_k.shape[:2], 1, device=pool_k.device)], -1)
         less.index_add_(0, torch.from_numpy(slot.reshape(-1)).to(self.device), rows.reshape(-1, 2 * d + 1).to(self.device))
-        left = torch.gather(self.sums, 1, at[..., None].expand(self.heads, T, 2 * d + 1)) - less[:-1].view(self.heads, T, -1)
+        count = torch.gather(self.count, 1, at)[..., None]  # (heads, T, 1)
+        sums = torch.cat([torch.gather(self.keys_t, 2, at[:, None, :].expand(self.heads, d, T)).transpose(1, 2),
+                          torch.gather(self.values, 1, at[..., None].expand(self.heads, T, d))], -1) * count
+        left = torch.cat([sums, count], -1) - less[:-1].view(self.heads, T, -1)
         means, logc = mean_rows(left, d)
         logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
         return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages]),
