@@ -119,12 +119,14 @@ def test_rest_estimate_brings_a_small_budget_near_full_and_is_off_by_default():
 
 
 def test_rest_estimate_is_a_profile_key_for_budgeted_methods(cpu_settings):
-    from icecache.config import ProfileError, apply
+    """Off in the settings' defaults, on in the cpu profile, and only for budgeted methods."""
+    from icecache.config import ProfileError, Settings, apply
     from icecache.methods import METHODS, ice_spec
 
-    on = apply(cpu_settings, {"rest_estimate": True}, "test")
-    assert ice_spec(on, METHODS["ice"]).rest_estimate is True
-    assert ice_spec(on, METHODS["streaming"]).rest_estimate is False
-    assert ice_spec(cpu_settings, METHODS["ice"]).rest_estimate is False
+    assert cpu_settings.rest_estimate is True and Settings().rest_estimate is False
+    off = apply(cpu_settings, {"rest_estimate": False}, "test")
+    assert ice_spec(cpu_settings, METHODS["ice"]).rest_estimate is True
+    assert ice_spec(cpu_settings, METHODS["streaming"]).rest_estimate is False
+    assert ice_spec(off, METHODS["ice"]).rest_estimate is False
     with pytest.raises(ProfileError, match="rest_estimate"):
         apply(cpu_settings, {"rest_estimate": 2}, "test")
