@@ -336,11 +336,12 @@ class IceLayer(CacheLayerMixin):
         if self.rest is None:
             self.rest = RestPages(self.heads, self.head_dim, r.keys.device)
         if self.rest.rows != self.store.rows:  # the tree changes only when keys go into it
+            self.rest.npages = 0
             for h in range(self.heads):
                 members, count, version, n, _row_page = selector.tree_pages(h)
                 self.rest.refresh(h, members, count, version, n, self.store)
+                self.rest.npages = max(self.rest.npages, n)
             self.rest.rows = self.store.rows
-            self.rest.npages = max(selector.tree_pages(h)[3] for h in range(self.heads))
         npages = self.rest.npages
         in_pool = r.valid[:, r.pool_at : r.window_at]
         if self.pinned is None and not getattr(selector, "picking", False):

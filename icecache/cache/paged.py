@@ -80,9 +80,9 @@ def paged_decode_rest(q, k, v, valid, groups, scaling):
     product per group (the bias added in the same call), one softmax over the joined scores, one
     product per group with its values (the fast path; at a few hundred estimate rows per head it
     costs a fraction of SDPA over a concatenated copy)."""
+    H, G = q.shape[0], q.shape[1]
     scores = [torch.bmm(q, k.transpose(1, 2)).mul_(scaling).masked_fill_(~valid[:, None, :], float("-inf"))]
     for gk, _gv, gb in groups:
-        H, G = q.shape[0], q.shape[1]
         scores.append(torch.baddbmm(gb[:, None, :].to(q.dtype).expand(H, G, gb.shape[1]), q,
                                     gk.to(q.dtype), alpha=scaling))
     probs = torch.softmax(torch.cat(scores, -1), dim=-1)
