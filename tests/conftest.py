@@ -18,6 +18,28 @@ os.environ["ICECACHE_DOC_CACHE"] = "off"
 EXAMPLE = REPO / "docs" / "examples" / "harbor-report.txt"
 
 
+def _one_core_per_worker() -> None:
+    """Under pytest-xdist, pin each worker (and the CLI processes it starts, which inherit the
+    CPU set and size their thread pool by it) to its own core, as far as the cores go. Two
+    workers of two torch threads each on two cores oversubscribe them, and torch's thread pool
+    then waits on itself: a test that takes 20 s alone took 80-160 s in `make test`."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0") or 0)
+    if not worker.startswith("gw") or count < 2 or not hasattr(os, "sched_setaffinity"):
+        return
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < count:
+        return
+    per = len(cores) // count
+    index = int(worker[2:])
+    mine = set(cores[index * per:(index + 1) * per])
+    os.sched_setaffinity(0, mine)
+    os.environ["OMP_NUM_THREADS"] = str(len(mine))
+
+
+_one_core_per_worker()
+
+
 @pytest.fixture(scope="session")
 def quick_profile(tmp_path_factory) -> str:
     """The cpu profile with ``prefill_queries: 4``: a sparse prefill steps the prompt's last 8
