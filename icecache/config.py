@@ -98,6 +98,9 @@ class Settings:
     # rows' softmax weights are not inflated by what was left out. True positions only (a
     # remapped run ignores it): ice and ice-reuse
     rest_estimate: bool = False
+    # a one-token decode step of a Llama-family float32 model on the CPU runs its layers directly
+    # (icecache/fast_step.py), not through transformers' forward: the same ops, less around them
+    fast_step: bool = True
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072

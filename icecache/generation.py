@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .config import Settings
+from .fast_step import fast_step_for
 from .memory import return_freed
 from .methods import make_cache, plan_run, prepare_model
 from .models import LoadedModel
@@ -158,6 +159,11 @@ class Session:
         """Run ``ids`` (prompt chunk or one new token) through the model into the cache; return
         the logits at the last position. One decode step is ``forward([token])``."""
         model = self.loaded.model
+        fast = fast_step_for(model) if len(ids) == 1 and self.settings.fast_step else None
+        if fast is not None:
+            logits = fast.step(ids[0], self.cache)
+            self.cached_ids.extend(ids)
+            return logits
         x = torch.tensor([ids], dtype=torch.long, device=model.device)
         out = model(input_ids=x, past_key_values=self.cache, use_cache=True, logits_to_keep=1)
         self.cached_ids.extend(ids)

@@ -1,0 +1,106 @@
+"""The fast decode step (icecache/fast_step.py) against transformers' forward: the same logits
+and the same cache for every method, on each supported architecture and on the embedded model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from icecache.config import resolve_settings
+from icecache.fast_step import FastStep, fast_step_for, why_not
+from icecache.methods import make_cache, names, prepare_model
+from tests.test_ice_cache import tiny_model
+
+
+def small_settings(**changes):
+    base = dict(page_size=4, budget=16, sink_pages=1, window_pages=2, dense_layers=1, chunk_size=64,
+                rest_estimate=True, prefill="full", pipeline=False)
+    base.update(changes)
+    return resolve_settings("cpu").replace(**base)
+
+
+def decode_both(model, method: str, settings, prompt: list[int], forced: list[int]):
+    """Two caches of ``method``, the same prompt prefilled into each by the model's forward;
+    then ``forced`` one token at a time, through the model's forward into the first and through
+    :class:`FastStep` into the second. Returns both lists of logits."""
+    total = len(prompt) + len(forced) + 1
+    prepare_model(method, model, settings, total)
+    caches = [make_cache(method, model, settings, total) for _ in range(2)]
+    fast = FastStep(model)
+    outs: list[list[torch.Tensor]] = [[], []]
+    with torch.inference_mode():
+        for cache in caches:
+            for lo in range(0, len(prompt), settings.chunk_size):
+                model(input_ids=torch.tensor([prompt[lo:lo + settings.chunk_size]]), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1)
+        for t in forced:
+            r = model(input_ids=torch.tensor([[t]]), past_key_values=caches[0], use_cache=True, logits_to_keep=1)
+            outs[0].append(r.logits[0, -1].clone())
+            outs[1].append(fast.step(t, caches[1]).clone())
+    return outs
+
+
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+def test_every_method_decodes_as_the_model_forward(arch):
+    model = tiny_model(arch)
+    assert why_not(model) is None
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, 97, (150,), generator=g).tolist()
+    forced = torch.randint(0, 97, (12,), generator=g).tolist()
+    settings = small_settings()
+    for method in names():
+        ref, got = decode_both(model, method, settings, prompt, forced)
+        for step, (a, b) in enumerate(zip(ref, got)):
+            err = float((a - b).abs().max())
+            assert err < 1e-5, f"{arch} {method} step {step}: max |logit difference| {err:.2e}"
+
+
+def test_the_embedded_model_decodes_as_its_forward(loaded):
+    """The real weights, ice with the cpu profile's pages and the estimate, and full."""
+    model = loaded.model
+    assert why_not(model) is None
+    ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
+    forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
+    settings = resolve_settings("cpu").replace(budget=64, chunk_size=256)
+    for method in ("ice", "full"):
+        ref, got = decode_both(model, method, settings, ids, forced)
+        for step, (a, b) in enumerate(zip(ref, got)):
+            err = float((a - b).abs().max())
+            assert err < 2e-4, f"{method} step {step}: max |logit difference| {err:.2e}"
+            assert int(a.argmax()) == int(b.argmax())
+
+
+def test_models_it_cannot_run_fall_back():
+    sliding = tiny_model("mistral")
+    sliding.config.sliding_window = 16
+    assert "sliding" in why_not(sliding)
+    half = tiny_model("llama").to(torch.bfloat16)
+    assert "bfloat16" in why_not(half)
+    assert fast_step_for(half) is None
+    with pytest.raises(ValueError, match="no fast decode step"):
+        FastStep(half)
+    plain = tiny_model("llama")
+    assert fast_step_for(plain) is fast_step_for(plain)  # made once per model
+
+
+def test_session_uses_it_only_where_set(loaded):
+    """``fast_step: false`` gives transformers' forward; both sessions pick the same tokens."""
+    from icecache.generation import Session
+
+    ids = loaded.tokenizer("The harbor office opened at dawn. The first ship was the Blue Gull.")["input_ids"]
+    outs = []
+    for flag in (True, False):
+        settings = resolve_settings("cpu").replace(fast_step=flag)
+        s = Session(loaded, settings, "ice")
+        called = []
+        fast = fast_step_for(loaded.model)
+        original = fast.step
+        fast.step = lambda *a, _c=called, _o=original: (_c.append(1), _o(*a))[1]
+        try:
+            with torch.inference_mode():
+                out, _stats = s.generate(ids, 8)
+        finally:
+            fast.step = original
+        assert bool(called) == flag
+        outs.append(out)
+    assert outs[0] == outs[1]
