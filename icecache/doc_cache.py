@@ -44,8 +44,10 @@ LENGTHS = "lengths.json"
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
 # Settings that a sparse prefill's saved state does not depend on: the profile's name and words,
 # where the cache lives and its limits, the threads. (A copy of a profile under another file name
-# re-prefilled a 100k document for 12 minutes: the name was part of the key.)
-STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads"})
+# re-prefilled a 100k document for 12 minutes: the name was part of the key.) ``fast_step`` and
+# the threads change a state only by float rounding.
+STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads",
+                           "fast_step"})
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.

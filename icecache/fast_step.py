@@ -2,13 +2,16 @@
 
 On the CPU a decode step of the embedded model spends milliseconds in the machinery around its
 ops: the causal-mask builder, the output-capturing wrappers, keyword plumbing through four levels
-of modules, each norm as six small ops, RoPE as eight ops per layer. :class:`FastStep` runs the
-same step from the same modules and the same cache: the embedding, then per layer the input norm
-(one fused ``rms_norm``), the q/k/v projections (the modules themselves, so quantized linears and
-hooks work as before), RoPE as one product with a rotation matrix built once per step from the
-model's own rotary module (so scaled RoPE variants keep their angles), ``cache.update`` and the
-attention function transformers would call for the model's attention implementation, the output
-projection, the post-attention norm and the MLP; then the final norm and the LM head.
+of modules and their calls. :class:`FastStep` runs the same step from the same modules and the
+same cache: the embedding; per layer the input norm, the q/k/v projections (the modules
+themselves, so quantized linears and hooks work as before), RoPE on q and k at once with the
+cos and sin of the model's own rotary module (made once per step, so scaled RoPE variants keep
+their angles), ``cache.update`` and the attention function transformers would call for the
+model's attention implementation, the output projection, the post-attention norm and the MLP;
+then the final norm and the LM head. Each op is the one transformers runs, in the same order, so
+the logits are the forward's bit for bit (an int4 model's bfloat16 activations carry a last-bit
+difference into its logits: torch's fused ``rms_norm`` or RoPE as a product with a rotation matrix
+moved them by up to 0.1 there).
 
 Which models: Llama, Mistral, Qwen2 and Qwen3 decoder layers, SiLU MLPs, full attention in every
 layer (no sliding window), RoPE over the whole head, on the CPU in float32. Anything else runs
@@ -29,6 +32,12 @@ SUPPORTED = {  # model_type -> the decoder layer class transformers uses for it
     "qwen2": "Qwen2DecoderLayer",
     "qwen3": "Qwen3DecoderLayer",
 }
+
+
+def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """The Llama family's RMS norm of a float32 row, op for op as transformers computes it."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
 
 
 def why_not(model: Any) -> str | None:
@@ -75,25 +84,9 @@ class FastStep:
         inner = model.model
         self.inner = inner
         attn = inner.layers[0].self_attn
-        self.head_dim = d = attn.head_dim
+        self.head_dim = attn.head_dim
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
-        half = d // 2
-        # rotate_half(x) == x @ swap: the second half negated into the first, the first into the second
-        swap = torch.zeros(d, d)
-        idx = torch.arange(half)
-        swap[idx + half, idx] = -1.0
-        swap[idx, idx + half] = 1.0
-        self._swap = swap
-        self._eye = torch.eye(d)
-
-    def rotation(self, position: int, like: torch.Tensor) -> torch.Tensor:
-        """(d, d): ``x @ R`` is ``x`` rotated by RoPE at ``position`` (the model's own cos and
-        sin, attention scaling included)."""
-        ids = torch.tensor([[position]], dtype=torch.long)
-        cos, sin = self.inner.rotary_emb(like, position_ids=ids)
-        cos, sin = cos.reshape(-1), sin.reshape(-1)
-        return self._eye * cos + self._swap * sin
 
     def step(self, token: int, cache: Any) -> torch.Tensor:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -105,31 +98,34 @@ class FastStep:
         position = cache.get_seq_length() if cache is not None else 0
         ids = torch.tensor([[token]], dtype=torch.long)
         x = inner.embed_tokens(ids)  # (1, 1, D)
-        rot = self.rotation(position, x)
         position_ids = torch.tensor([[position]], dtype=torch.long)
-        width = (x.shape[-1],)
+        cos, sin = inner.rotary_emb(x, position_ids=position_ids)  # the model's own angles and scaling
+        cos, sin = cos[:, None], sin[:, None]
+        half = d // 2
         for i, layer in enumerate(inner.layers):
             a = layer.self_attn
             norm = layer.input_layernorm
-            h = F.rms_norm(x, width, norm.weight, norm.variance_epsilon)
+            h = _rms_norm(x, norm.weight, norm.variance_epsilon)
             q = a.q_proj(h).view(1, 1, H, d)
             k = a.k_proj(h).view(1, 1, Hk, d)
             v = a.v_proj(h).view(1, 1, Hk, d).transpose(1, 2)
             if hasattr(a, "q_norm"):  # Qwen3: per-head norms before RoPE
                 q = a.q_norm(q)
                 k = a.k_norm(k)
-            q = (q.transpose(1, 2) @ rot)
-            k = (k.transpose(1, 2) @ rot)
+            # RoPE on q and k at once, op for op as transformers applies it
+            qk = torch.cat([q, k], dim=2).transpose(1, 2)
+            qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
+            q, k = qk[:, :H], qk[:, H:]
             if cache is not None:
                 k, v = cache.update(k, v, i)
             out, _ = attend(a, q, k, v, None, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                             use_cache=True)
             x = x + a.o_proj(out.reshape(1, 1, H * d))
             norm = layer.post_attention_layernorm
-            h = F.rms_norm(x, width, norm.weight, norm.variance_epsilon)
+            h = _rms_norm(x, norm.weight, norm.variance_epsilon)
             mlp = layer.mlp
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        x = F.rms_norm(x, width, inner.norm.weight, inner.norm.variance_epsilon)
+        x = _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
         return self.model.lm_head(x)[0, -1]
 
 
