@@ -51,7 +51,8 @@ STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", 
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.
-SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0, "token_pick": 0}
+SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0, "token_pick": 0,
+                  "rest_estimate": False}
 
 Warn = Callable[[str], None]
 
