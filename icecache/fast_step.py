@@ -102,7 +102,7 @@ class FastStep:
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)  # the model's own angles and scaling
         cos, sin = cos[:, None], sin[:, None]
         half = d // 2
-        for i, layer in enumerate(inner.layers):
+        for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):  # as the forward does
             a = layer.self_attn
             norm = layer.input_layernorm
             h = _rms_norm(x, norm.weight, norm.variance_epsilon)
