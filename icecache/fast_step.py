@@ -87,14 +87,16 @@ class FastStep:
         self.head_dim = attn.head_dim
         self.heads = model.config.num_attention_heads
         self.kv_heads = model.config.num_key_value_heads
-
-    def step(self, token: int, cache: Any) -> torch.Tensor:
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
         from transformers.models.llama.modeling_llama import eager_attention_forward
 
+        # looked up each step (a method sets the model's attention implementation), imported once
+        self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+
+    def step(self, token: int, cache: Any) -> torch.Tensor:
         inner, H, Hk, d = self.inner, self.heads, self.kv_heads, self.head_dim
         config = self.model.config
-        attend = ALL_ATTENTION_FUNCTIONS.get_interface(config._attn_implementation, eager_attention_forward)
+        attend = self._functions.get_interface(config._attn_implementation, self._eager)
         position = cache.get_seq_length() if cache is not None else 0
         ids = torch.tensor([[token]], dtype=torch.long)
         x = inner.embed_tokens(ids)  # (1, 1, D)
