@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from icecache.config import resolve_settings
@@ -179,10 +180,10 @@ def print_bench_table(rows, n: int, label: str = "") -> None:
         parts = "/".join(f"{b[k]:.0f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
         if r.status != "ok":
             notes.append(f"{r.method}: {r.status}" + (f" ({r.reason})" if r.reason else ""))
-            t.add_row(r.method, *(["-"] * 10))
+            t.add_row(escape(r.method), *(["-"] * 10))
             continue
         sources.setdefault(r.kv_source, []).append(r.method)
-        t.add_row(r.method, f(r.tt2t_s, ".1f"), f(r.prefill_tok_s, ".0f"), f(r.tpot_ms, ".1f"),
+        t.add_row(escape(r.method), f(r.tt2t_s, ".1f"), f(r.prefill_tok_s, ".0f"), f(r.tpot_ms, ".1f"),
                   f(r.tpot_p90_ms, ".1f"), f(r.tpot_ratio_vs_full, ".1f"), f(r.tpot_ratio_vs_dense, ".1f"),
                   parts, f(r.device_kv_bytes and r.device_kv_bytes / 2**20, ".0f"),
                   f(r.host_kv_bytes is not None and r.host_kv_bytes / 2**20 or None, ".0f"),

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 from rich.table import Table
 
 from icecache.config import resolve_settings
@@ -140,6 +141,6 @@ def print_table(rows: list[dict]) -> None:
     for r in rows:
         ref = full.get((r["task"], r["length"]))
         pct = f"{100 * r['score'] / ref:.1f}" if ref else "-"
-        t.add_row(r["task"], str(r["length"]), r["method"], str(r["budget"] or "-"), str(r["n"]),
+        t.add_row(r["task"], str(r["length"]), escape(r["method"]), str(r["budget"] or "-"), str(r["n"]),
                   f"{r['score']:.3f}", pct, f"{r['mean_kl']:.4f}" if "mean_kl" in r else "")
     stderr.print(t)

@@ -31,7 +31,7 @@ def colour(score: float) -> str:
 
 def grid_table(grid: Grid) -> Table:
     title = f"{grid.title}  (mean {grid.overall:.2f})"
-    t = Table(title=title, box=None, padding=(0, 0), show_edge=False, collapse_padding=True,
+    t = Table(title=Text(title, style="table.title"), box=None, padding=(0, 0), show_edge=False, collapse_padding=True,
               min_width=len(title))
     t.add_column("depth", justify="right", style="dim")
     for length in grid.lengths:

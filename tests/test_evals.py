@@ -324,3 +324,29 @@ def test_eval_method_variants_on_the_command_line(tmp_path):
         ("ice", 64, 1), ("ice[window_pages=1,answer_spans=1]", 64, 1)]
     assert json.loads((tmp_path / "config.json").read_text())["methods"] == [
         "ice", "ice[window_pages=1,answer_spans=1]"]
+
+
+def test_variant_labels_are_printed_as_written(monkeypatch):
+    """A method variant's label ('ice[window_pages=8]') has brackets that rich would read as
+    markup and drop: the eval table, the depth pictures and the bench table print it whole."""
+    from rich.console import Console
+
+    import icecache_cli.bench as bench_cli
+    import icecache_cli.evaluate as evaluate_cli
+    import icecache_cli.picture as picture
+    from icecache.bench.full_bench import BenchRow
+    from icecache.evals.grid import depth_grids
+
+    label = "ice[window_pages=8,answer_spans=3]"
+    out = Console(record=True, width=200, color_system=None)
+    for mod in (evaluate_cli, picture, bench_cli):
+        monkeypatch.setattr(mod, "stderr", out)
+    rows = [{"task": "passkey", "method": label, "budget": 64, "length": 1024, "n": 1, "score": 1.0,
+             "detail": [1.0], "depths": [0.5]}]
+    evaluate_cli.print_table(rows)
+    picture.print_grids(depth_grids(rows))
+    bench_cli.print_bench_table([BenchRow(label, 1024, tpot_ms=50.0),
+                                 BenchRow(label, 1024, status="skipped", reason="x")], 1024)
+    text = out.export_text()
+    # the eval row, the picture's title, two bench rows, the KV source note, the skipped note
+    assert text.count(label) == 6, text
