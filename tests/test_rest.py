@@ -50,22 +50,28 @@ def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
     return torch.cat([t, torch.full((rows - len(t), *t.shape[1:]), fill)])
 
 
-@pytest.mark.parametrize("pick", [0, 2])
-def test_rest_rows_equal_a_numpy_reference_after_evictions(pick):
+@pytest.mark.parametrize("pick,spans", [(0, 0), (2, 0), (0, 2)])
+def test_rest_rows_equal_a_numpy_reference_after_evictions(pick, spans):
     """After a prefill and 40 steps (pages left the window, tree pages changed versions), each
     layer's estimate rows stand for every tree page's non-resident members, each counted once:
     attention over them equals attention over the resident rows and NumPy's page means. The
-    pool holds whole tree pages (pick 0: loaded pages masked) or picked tokens (pick 2: their
-    pages' sums less the resident rows)."""
+    pool holds whole tree pages (pick 0: loaded pages masked), picked tokens (pick 2: their
+    pages' sums less the resident rows) or whole pages and pinned answer passages (spans 2:
+    the passages' pages less their rows, kept from step to step; also against the general
+    path)."""
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(4)
     prompt, forced = rng.integers(0, 97, 150).tolist(), rng.integers(0, 97, 40).tolist()
-    cache = ice_cache(model, rest_spec(budget=2, token_pick=pick))
+    cache = ice_cache(model, rest_spec(budget=2, token_pick=pick, answer_spans=spans))
     run_steps(model, cache, prompt, forced)
     g = torch.Generator().manual_seed(5)
     pages_checked = 0
     for layer in cache.ice_layers():
         groups = layer.rest_rows()
+        assert (layer.pinned is not None) == bool(spans)
+        if spans:
+            assert layer.rest._pinned is not None  # rest_pinned ran, not the general path
+            general = layer.rest_rows(general=True)
         r, store = layer.resident, layer.store
         n, d = store.rows, layer.head_dim
         K, V = store.keys[:, :n].float().numpy(), store.values[:, :n].float().numpy()
@@ -100,6 +106,10 @@ def test_rest_rows_equal_a_numpy_reference_after_evictions(pick):
         torch.testing.assert_close(paged_decode_rest(q, k, v, torch.as_tensor(valid), groups, 0.3),
                                    paged_decode_rest_reference(q, k, v, torch.as_tensor(valid), reference, 0.3),
                                    rtol=1e-4, atol=1e-5)
+        if spans:
+            torch.testing.assert_close(paged_decode_rest(q, k, v, torch.as_tensor(valid), groups, 0.3),
+                                       paged_decode_rest(q, k, v, torch.as_tensor(valid), general, 0.3),
+                                       rtol=1e-4, atol=1e-5)
     assert pages_checked > 20
 
 

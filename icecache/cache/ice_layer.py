@@ -321,11 +321,12 @@ class IceLayer(CacheLayerMixin):
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
 
-    def rest_rows(self):
+    def rest_rows(self, general: bool = False):
         """``rest_estimate`` (:mod:`.rest`): this step's estimate rows (groups of keys, values,
         log-counts: one row per tree page, less the rows resident in the pool), or None where it
         does not apply (off, remapped positions, no budget, a selector without a tree, nothing
-        offloaded)."""
+        offloaded). ``general``: with pinned passages, :meth:`RestPages.rest` from the pool's
+        rows instead of :meth:`RestPages.rest_pinned` (the reference it is tested against)."""
         if (not self.spec.rest_estimate or self.remap is not None or not self.spec.budget_pages
                 or self.estimates or self.store is None or not self.store.rows):
             return None
@@ -344,10 +345,17 @@ class IceLayer(CacheLayerMixin):
             self.rest.rows = self.store.rows
         npages = self.rest.npages
         in_pool = r.valid[:, r.pool_at : r.window_at]
-        if self.pinned is None and not getattr(selector, "picking", False):
+        if self.pinned is None and not getattr(selector, "picking", False) and not general:
             # the pool's slots hold whole tree pages at their current version (load planned so)
             in_use = in_pool[:, :: r.page_size]  # a slot's first row: valid while this step uses it
             return self.rest.rest_whole(npages, np.where(in_use, r.slot_page, -1))
+        if not getattr(selector, "picking", False) and self._pinned_load is not None and not general:
+            # whole tree pages in the main slots (a slot is in use while any of its rows is: a
+            # row a pinned passage holds too is left out of it), the passages in their own
+            main, S = r.pool_pages - r.pinned_slots, r.page_size
+            used = in_pool[:, : main * S].reshape(self.heads, main, S).any(-1)
+            return self.rest.rest_pinned(npages, np.where(used, r.slot_page[:, :main], -1),
+                                         self._pinned_load[2], lambda h: selector.tree_pages(h)[4], self.store)
         pool_pages = np.full(in_pool.shape, -1, np.int64)
         for h in range(self.heads):
             row_page = selector.tree_pages(h)[4]

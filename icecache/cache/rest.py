@@ -42,6 +42,7 @@ class RestPages:
         self.seen = np.zeros((heads, 0), np.int64)  # the page versions summed (-1: never)
         self.rows = -1  # the host store's rows when last refreshed (the caller's bookkeeping)
         self.npages = 0  # the most pages of a head then
+        self._pinned = None  # rest_pinned's rows and what it derived from them (at self.rows)
 
     def _grow(self, pages: int) -> None:
         old = self.seen.shape[1]
@@ -94,6 +95,54 @@ class RestPages:
         at = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
         bias.scatter_(1, at, float("-inf"))
         return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages])]
+
+    def rest_pinned(self, npages: int, loaded: np.ndarray, rows: np.ndarray, row_page, store: HostStore):
+        """The estimate rows when the pool holds whole tree pages (``loaded``: heads x main slots,
+        the page of a slot in use, else -1) and pinned passages (``rows``: host rows, the same
+        for every head; ``row_page(h)``: head h's tree page of each host row, -1 none).
+
+        :meth:`rest`'s groups, with the pinned part computed once per pinned set and tree state
+        (the passages stay for the whole answer; the tree changes only when keys go into it):
+        every page's mean with the loaded pages and the pinned rows' pages masked; and the
+        pinned rows' pages less those rows, masked again where such a page is loaded whole."""
+        d = self.head_dim
+        cached = self._pinned
+        if cached is None or cached[0] is not rows or cached[1] != self.rows:
+            touched, parts = [], []
+            for h in range(self.heads):
+                rp = row_page(h)[rows]
+                keep = rp >= 0  # a row outside every page is in no estimate
+                pages, inv = np.unique(rp[keep], return_inverse=True)
+                touched.append(pages)
+                parts.append((torch.from_numpy(rows[keep].astype(np.int64)), torch.from_numpy(inv.astype(np.int64))))
+            T = max(1, max(len(p) for p in touched))
+            at_np = np.full((self.heads, T), npages, np.int64)  # padding: the spare page column
+            less = torch.zeros(self.heads, T, 2 * d + 1)
+            for h, (pages, (r, inv)) in enumerate(zip(touched, parts, strict=True)):
+                at_np[h, : len(pages)] = pages
+                if len(r):
+                    less[h].index_add_(0, inv, torch.cat([store.keys[h][r].float(), store.values[h][r].float(),
+                                                          torch.ones(len(r), 1)], -1))
+            at = torch.from_numpy(at_np).to(self.device)
+            count = torch.gather(self.count, 1, at)[..., None]
+            sums = torch.cat([torch.gather(self.keys_t, 2, at[:, None, :].expand(self.heads, d, T)).transpose(1, 2),
+                              torch.gather(self.values, 1, at[..., None].expand(self.heads, T, d))], -1) * count
+            means, logc = mean_rows(torch.cat([sums, count], -1) - less.to(self.device), d)
+            pad = np.arange(T)[None, :] >= np.array([len(p) for p in touched])[:, None]
+            logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
+            base = self.logc[:, : npages + 1].clone()
+            base.scatter_(1, at, float("-inf"))
+            cached = self._pinned = (rows, self.rows, at, means[..., :d].transpose(1, 2).contiguous(),
+                                     means[..., d:].contiguous(), logc, base)
+        _rows, _at_rows, at, mean_kt, mean_v, logc, base = cached
+        whole = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
+        bias = base.clone()
+        bias.scatter_(1, whole, float("-inf"))
+        hit = torch.zeros(self.heads, npages + 1, dtype=torch.bool, device=self.device)
+        hit.scatter_(1, whole, True)
+        hit[:, npages] = False
+        return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages]),
+                (mean_kt, mean_v, logc.masked_fill(torch.gather(hit, 1, at), float("-inf")))]
 
     def rest(self, npages: int, pool_pages: np.ndarray, pool_k: torch.Tensor, pool_v: torch.Tensor):
         """The estimate rows of every head without the resident rows, as groups for
