@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from icecache.bench import decode_bench
+from icecache.cache.spec import SPAN_PAGES
 
 
 def test_decode_bench_shared_prefill(loaded, cpu_settings):
@@ -14,9 +15,13 @@ def test_decode_bench_shared_prefill(loaded, cpu_settings):
     full = decode_bench.run(loaded, settings, "full", 400, steps=2, shared=shared)
     ice = decode_bench.run(loaded, settings, "ice", 400, steps=2, shared=shared)
     assert full.ctx == ice.ctx == 400 and full.tpot_ms > 0 and ice.tpot_ms > 0
-    # Resident KV of the sparse layers: sink 32 + window 32 + a page 16 + budget 64 = 144 tokens.
+    # Resident KV of the sparse layers: sink + window + a page of slack + budget 64 + the pinned
+    # passages' slots (3 pages each); the cpu profile's: 32 + 128 + 16 + 64 + 144 = 384 tokens.
+    S = settings.page_size
+    resident = (settings.sink_pages + settings.window_pages + 1) * S + 64 + settings.answer_spans * SPAN_PAGES * S
+    assert (settings.window_pages, settings.answer_spans, resident) == (8, 3, 384)
     per_token_layer = 2 * 3 * 64 * 4  # K and V, 3 KV heads, head_dim 64, float32
-    assert ice.device_kv_bytes_sparse_layers == 28 * 144 * per_token_layer
+    assert ice.device_kv_bytes_sparse_layers == 28 * resident * per_token_layer
     warm = max(2, settings.answer_search)  # the warm-up covers the answer's exact searches
     assert full.device_kv_bytes_sparse_layers == 28 * (400 + warm + 2) * per_token_layer  # prompt + warm-up + 2 timed
     assert ice.host_kv_bytes > 0 and full.host_kv_bytes == 0

@@ -553,3 +553,27 @@ def test_spread_offsets_keep_every_row_its_own_place_in_order():
         if top <= r:
             assert g == 1 and span.tolist() == [top + 1] * H
             assert all(int(offset[h, i]) == top - rows[h, i] for h in range(H) for i in range(n) if valid[h, i])
+
+
+def test_remapped_prompt_within_sink_and_window_then_decode():
+    """A remapped run whose prompt fits in the sink and the window offloads nothing at its
+    first step (an empty store, the cpu profile's 8-page window over a short prompt): no
+    rotation of zero keys, and the later steps offload and place pages as usual."""
+    import numpy as np
+
+    from icecache.config import Settings
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["llama3"])
+    rng = np.random.default_rng(6)
+    prompt, forced = rng.integers(0, 97, 20).tolist(), rng.integers(0, 97, 30).tolist()
+    s = Settings(page_size=4, budget=8, sink_pages=1, window_pages=8, chunk_size=64, max_context=8192,
+                 host_dtype="float32", dense_layers=0, positions="remap")
+    cache = make_cache("ice", model, s)
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        for t in forced:
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    layer = cache.layers[0]
+    assert layer.remap is not None and layer.store.rows > 0  # pages left the window later
+    assert torch.isfinite(out.logits).all()

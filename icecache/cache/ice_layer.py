@@ -196,7 +196,7 @@ class IceLayer(CacheLayerMixin):
     def _position_free(self, keys: torch.Tensor, first: int) -> torch.Tensor:
         """Keys (heads, m, d) of tokens ``first ..`` as the host store holds them: un-rotated
         when positions are remapped, else as they are."""
-        if self.remap is None:
+        if self.remap is None or not keys.shape[1]:  # none: a prompt within sink + window
             return keys
         return self.remap.frame.rotate(keys, torch.arange(first, first + keys.shape[1]), 0)
 
