@@ -345,17 +345,17 @@ class IceLayer(CacheLayerMixin):
             self.rest.rows = self.store.rows
         npages = self.rest.npages
         in_pool = r.valid[:, r.pool_at : r.window_at]
-        if self.pinned is None and not getattr(selector, "picking", False) and not general:
-            # the pool's slots hold whole tree pages at their current version (load planned so)
-            in_use = in_pool[:, :: r.page_size]  # a slot's first row: valid while this step uses it
-            return self.rest.rest_whole(npages, np.where(in_use, r.slot_page, -1))
-        if not getattr(selector, "picking", False) and self._pinned_load is not None and not general:
-            # whole tree pages in the main slots (a slot is in use while any of its rows is: a
-            # row a pinned passage holds too is left out of it), the passages in their own
+        if not getattr(selector, "picking", False) and not general:
+            # the main slots hold whole tree pages at their current version (load planned so); a
+            # slot is in use while any of its rows is (a row a pinned passage holds too is left
+            # out of it); pinned passages, if any, in their own slots
             main, S = r.pool_pages - r.pinned_slots, r.page_size
             used = in_pool[:, : main * S].reshape(self.heads, main, S).any(-1)
-            return self.rest.rest_pinned(npages, np.where(used, r.slot_page[:, :main], -1),
-                                         self._pinned_load[2], lambda h: selector.tree_pages(h)[4], self.store)
+            loaded = np.where(used, r.slot_page[:, :main], -1)
+            if self._pinned_load is None:
+                return self.rest.rest_whole(npages, loaded)
+            return self.rest.rest_pinned(npages, loaded, self._pinned_load[2],
+                                         lambda h: selector.tree_pages(h)[4], self.store)
         pool_pages = np.full(in_pool.shape, -1, np.int64)
         for h in range(self.heads):
             row_page = selector.tree_pages(h)[4]

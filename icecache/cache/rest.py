@@ -108,32 +108,26 @@ class RestPages:
         d = self.head_dim
         cached = self._pinned
         if cached is None or cached[0] is not rows or cached[1] != self.rows:
-            touched, parts = [], []
+            held = []  # per head: the pinned rows' pages, and each row's place among them
             for h in range(self.heads):
                 rp = row_page(h)[rows]
                 keep = rp >= 0  # a row outside every page is in no estimate
                 pages, inv = np.unique(rp[keep], return_inverse=True)
-                touched.append(pages)
-                parts.append((torch.from_numpy(rows[keep].astype(np.int64)), torch.from_numpy(inv.astype(np.int64))))
-            T = max(1, max(len(p) for p in touched))
+                held.append((pages, rows[keep].astype(np.int64), inv))
+            T = max(1, max(len(p) for p, _r, _i in held))
             at_np = np.full((self.heads, T), npages, np.int64)  # padding: the spare page column
             less = torch.zeros(self.heads, T, 2 * d + 1)
-            for h, (pages, (r, inv)) in enumerate(zip(touched, parts, strict=True)):
+            for h, (pages, r, inv) in enumerate(held):
                 at_np[h, : len(pages)] = pages
-                if len(r):
-                    less[h].index_add_(0, inv, torch.cat([store.keys[h][r].float(), store.values[h][r].float(),
-                                                          torch.ones(len(r), 1)], -1))
+                r = torch.from_numpy(r)
+                less[h].index_add_(0, torch.from_numpy(inv), torch.cat(
+                    [store.keys[h][r].float(), store.values[h][r].float(), torch.ones(len(r), 1)], -1))
             at = torch.from_numpy(at_np).to(self.device)
-            count = torch.gather(self.count, 1, at)[..., None]
-            sums = torch.cat([torch.gather(self.keys_t, 2, at[:, None, :].expand(self.heads, d, T)).transpose(1, 2),
-                              torch.gather(self.values, 1, at[..., None].expand(self.heads, T, d))], -1) * count
-            means, logc = mean_rows(torch.cat([sums, count], -1) - less.to(self.device), d)
-            pad = np.arange(T)[None, :] >= np.array([len(p) for p in touched])[:, None]
-            logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
+            pad = np.arange(T)[None, :] >= np.array([len(p) for p, _r, _i in held])[:, None]
+            mean_kt, mean_v, logc = self._pages_less(at, less.to(self.device), pad)
             base = self.logc[:, : npages + 1].clone()
             base.scatter_(1, at, float("-inf"))
-            cached = self._pinned = (rows, self.rows, at, means[..., :d].transpose(1, 2).contiguous(),
-                                     means[..., d:].contiguous(), logc, base)
+            cached = self._pinned = (rows, self.rows, at, mean_kt.contiguous(), mean_v.contiguous(), logc, base)
         _rows, _at_rows, at, mean_kt, mean_v, logc, base = cached
         whole = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
         bias = base.clone()
@@ -169,14 +163,20 @@ class RestPages:
         less = torch.zeros(self.heads * T + 1, 2 * d + 1, device=self.device)
         rows = torch.cat([pool_k.float(), pool_v.float(), torch.ones(*pool_k.shape[:2], 1, device=pool_k.device)], -1)
         less.index_add_(0, torch.from_numpy(slot.reshape(-1)).to(self.device), rows.reshape(-1, 2 * d + 1).to(self.device))
+        return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages]),
+                self._pages_less(at, less[:-1].view(self.heads, T, -1), pad)]
+
+    def _pages_less(self, at: torch.Tensor, less: torch.Tensor, pad: np.ndarray):
+        """Pages ``at`` (heads, T) with the sums ``less`` (heads, T, 2d + 1: keys, values, count)
+        taken out of their members', as one group: (mean keys (heads, d, T), mean values
+        (heads, T, d), log-counts; -inf where ``pad`` or nothing is left)."""
+        d, T = self.head_dim, at.shape[1]
         count = torch.gather(self.count, 1, at)[..., None]  # (heads, T, 1)
         sums = torch.cat([torch.gather(self.keys_t, 2, at[:, None, :].expand(self.heads, d, T)).transpose(1, 2),
                           torch.gather(self.values, 1, at[..., None].expand(self.heads, T, d))], -1) * count
-        left = torch.cat([sums, count], -1) - less[:-1].view(self.heads, T, -1)
-        means, logc = mean_rows(left, d)
+        means, logc = mean_rows(torch.cat([sums, count], -1) - less, d)
         logc.masked_fill_(torch.from_numpy(pad).to(self.device), float("-inf"))
-        return [(self.keys_t[:, :, :npages], self.values[:, :npages], bias[:, :npages]),
-                (means[..., :d].transpose(1, 2), means[..., d:], logc)]
+        return means[..., :d].transpose(1, 2), means[..., d:], logc
 
 
 def mean_rows(sums: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
