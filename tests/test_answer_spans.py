@@ -215,3 +215,17 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
     for _s, w in calls:
         best[: len(w)] = np.maximum(best[: len(w)], w)
     np.testing.assert_allclose(layers[0].votes.votes[:n], best)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_sorted_member_equals_numpy_isin(seed):
+    """The pool's rows that a pinned passage also holds, found by binary search: the same
+    answer as ``np.isin`` (its reference), -1 (an empty pool row) and rows past the table's
+    ends included, and an empty table."""
+    from icecache.cache.resident import sorted_member
+
+    rng = np.random.default_rng(seed)
+    table = np.sort(rng.choice(400, size=rng.integers(0, 60), replace=False)).astype(np.int64)
+    x = rng.integers(-1, 420, size=(3, 97)).astype(np.int64)
+    x[0, :len(table)] = table[::-1]  # every table row present somewhere
+    assert np.array_equal(sorted_member(x, table), np.isin(x, table))
