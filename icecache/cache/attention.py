@@ -9,6 +9,7 @@ dense prefill's :func:`~.record.record_attention`.
 
 from __future__ import annotations
 
+from .chunked import sdpa_forward
 from .current import current
 from .dense import GrowingLayer, dense_attention, windowed_dense
 from .ice import IceCache
@@ -23,7 +24,6 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
     """The ice methods' attention: an offloaded ice layer's step is the layer's own
     :meth:`~.ice_layer.IceLayer.attend`; dense layers and prompt chunks go to SDPA (a sparse
     prefill's dense layers to :func:`~.dense.windowed_dense`)."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cache = current()
     layer = cache.layers[module.layer_idx] if isinstance(cache, IceCache) else None
@@ -43,8 +43,8 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
                 return out, None
         return dense_attention(module, query, key, value, attention_mask, scaling=scaling,
                                dropout=dropout, **kwargs)
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                  dropout=dropout, **kwargs)
+    return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
+                        dropout=dropout, **kwargs)
 
 
 def register_attention(name: str, fn) -> None:

@@ -21,6 +21,8 @@ import os
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
+from .chunked import prefix_causal, sdpa_forward
+
 
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` semantics (``keys``/``values`` are (B, H, n, d)) with in-place growth."""
@@ -140,14 +142,12 @@ def dense_decode(query, key, value, scaling):
 
 def dense_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``dense`` method's attention: :func:`dense_decode` for a decode step of one
-    unpadded sequence, transformers' SDPA otherwise."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
+    unpadded sequence, transformers' SDPA otherwise (:func:`.chunked.sdpa_forward`)."""
     if query.shape[0] == 1 and query.shape[2] == 1 and attention_mask is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
         return dense_decode(query, key, value, scale), None
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                  dropout=dropout, **kwargs)
+    return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
+                        dropout=dropout, **kwargs)
 
 
 def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=None):
@@ -169,6 +169,8 @@ def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=Non
         sink_k = frame.rotate(sink_k, torch.arange(sink), torch.arange(sink) + w0 - sink)
     k = torch.cat([sink_k, key[:, :, w0:]], dim=2)
     v = torch.cat([value[:, :, :sink], value[:, :, w0:]], dim=2)
+    if query.device.type == "cpu":  # the same pattern: the chunk sees sink + window, then itself causally
+        return prefix_causal(query, k, v, scaling).transpose(1, 2).contiguous()
     L = k.shape[2]
     mask = torch.ones(C, L, dtype=torch.bool, device=query.device)
     mask[:, sink + window :] = torch.ones(C, C, dtype=torch.bool, device=query.device).tril()

@@ -20,6 +20,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import current
+from .chunked import sdpa_forward
 from .dense import GrowingLayer
 
 
@@ -67,13 +68,12 @@ class OracleCache(Cache):
 
 def oracle_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """A decode step of a sparse layer: each query head over its kept tokens; SDPA otherwise."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     cache = current.current()
     spec = cache.spec if isinstance(cache, OracleCache) else OracleSpec()
     if query.shape[2] != 1 or getattr(module, "layer_idx", 0) < spec.dense_layers:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                      dropout=dropout, **kwargs)
+        return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
+                            dropout=dropout, **kwargs)
     B, Hq, _, d = query.shape
     H = key.shape[1]
     G = Hq // H

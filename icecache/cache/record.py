@@ -14,6 +14,8 @@ import threading
 import numpy as np
 import torch
 
+from .chunked import sdpa_forward
+
 _state = threading.local()
 
 
@@ -34,8 +36,6 @@ def grids() -> dict:
 
 
 def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
     w = getattr(_state, "observation", 0)
     if w:
         i = module.layer_idx
@@ -52,8 +52,8 @@ def record_attention(module, query, key, value, attention_mask, scaling=None, dr
             grid = _state.grids[i] = QueryGrid(PROMPT_QUERIES, w)
         end = key.shape[2]  # the chunk's queries are the last of the keys' positions
         grid.add(query[0].detach(), np.arange(end - query.shape[2], end))
-    return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
-                                  dropout=dropout, **kwargs)
+    return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
+                        dropout=dropout, **kwargs)
 
 
 def register() -> str:

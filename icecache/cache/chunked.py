@@ -1,0 +1,93 @@
+"""A prompt chunk's attention on the CPU without a materialized mask.
+
+In a chunked prefill, a chunk of C queries attends to every one of the T - C rows before it and
+causally to its own C rows. transformers hands SDPA that pattern as a (C, T) boolean mask, and
+torch's CPU kernel then reads the mask at every block instead of skipping the blocks it hides (and
+converts it for every layer). At 8k tokens the attention of the last chunk took 70% of that
+chunk's prefill time (docs/results.md, session 36).
+
+:func:`prefix_causal` computes the same attention with two calls of torch's CPU flash kernel and
+no mask: the chunk over the prefix (every row visible; the query heads of one KV head stacked along
+the sequence, so the prefix is read once per KV head and never copied per query head), and the
+chunk over itself with ``is_causal``. The two partial results are merged by their log-sum-exps.
+:func:`prefix_causal_reference` is SDPA with the mask (what transformers computes); the tests
+compare the two.
+
+:func:`sdpa_forward` is transformers' ``sdpa_attention_forward`` with this path taken where it
+applies: on the CPU, one sequence, a chunk of more than one query, no dropout, and a mask that is
+exactly the prefix-causal pattern (checked once per mask object: transformers builds one mask per
+forward and passes it to every layer), or no mask with the chunk as the whole sequence.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the last mask checked, for C queries over T rows, and whether it was the prefix-causal pattern (one mask per forward: the
+# reference keeps it alive, so ``is`` cannot match a new mask at a reused address)
+_checked: list = [None, 0, 0, False]
+
+
+def prefix_causal_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            scaling: float) -> torch.Tensor:
+    """query (1, Hq, C, d); key, value (1, H, T, d), the chunk being the last C rows -> (1, Hq, C, d):
+    SDPA with the prefix-causal mask (row i sees rows 0 .. T - C + i)."""
+    C, T = query.shape[2], key.shape[2]
+    mask = torch.ones(C, T, dtype=torch.bool, device=query.device).tril(diagonal=T - C)
+    return torch.nn.functional.scaled_dot_product_attention(
+        query, key, value, attn_mask=mask[None, None], scale=scaling,
+        enable_gqa=query.shape[1] != key.shape[1])
+
+
+def prefix_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+    """:func:`prefix_causal_reference` by two maskless calls of the CPU flash kernel, merged by
+    their log-sum-exps (float32)."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    _, Hq, C, d = query.shape
+    H, T = key.shape[1], key.shape[2]
+    G, P = Hq // H, T - C
+    ks, vs = key[:, :, P:], value[:, :, P:]
+    if G > 1:
+        ks, vs = ks.repeat_interleave(G, dim=1), vs.repeat_interleave(G, dim=1)
+    own, own_lse = flash(query, ks, vs, 0.0, True, scale=scaling)[:2]
+    if P == 0:
+        return own
+    stacked = query.reshape(1, H, G * C, d)  # query head h * G + g reads KV head h
+    pre, pre_lse = flash(stacked, key[:, :, :P], value[:, :, :P], 0.0, False, scale=scaling)[:2]
+    pre, pre_lse = pre.reshape(1, Hq, C, d), pre_lse.reshape(1, Hq, C)
+    top = torch.maximum(own_lse, pre_lse)
+    w_own = torch.exp(own_lse - top)[..., None]
+    w_pre = torch.exp(pre_lse - top)[..., None]
+    out = (own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
+    return out.to(query.dtype)
+
+
+def is_prefix_causal(mask: torch.Tensor | None, C: int, T: int) -> bool:
+    """Whether ``mask`` (transformers' SDPA mask for a chunk of C queries over T rows) is the
+    prefix-causal pattern: boolean, one sequence, every head alike."""
+    if mask is None:
+        return False
+    if _checked[0] is mask and _checked[1:3] == [C, T]:
+        return _checked[3]
+    ok = (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1
+          and tuple(mask.shape[2:]) == (C, T)
+          and torch.equal(mask[0, 0], torch.ones(C, T, dtype=torch.bool, device=mask.device).tril(diagonal=T - C)))
+    _checked[:] = [mask, C, T, ok]
+    return ok
+
+
+def sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """transformers' ``sdpa_attention_forward``, with :func:`prefix_causal` for a prefix-causal
+    chunk on the CPU."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    C, T = query.shape[2], key.shape[2]
+    if (query.device.type == "cpu" and query.shape[0] == 1 and C > 1 and T >= C and not dropout
+            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and kwargs.get("s_aux") is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
+            and query.shape[1] % key.shape[1] == 0
+            and ((attention_mask is None and T == C) or is_prefix_causal(attention_mask, C, T))):
+        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+        return prefix_causal(query, key, value, scale).transpose(1, 2).contiguous(), None
+    return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                  scaling=scaling, **kwargs)
