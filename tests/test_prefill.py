@@ -12,7 +12,7 @@ import torch
 
 from icecache.cache import IceCache
 from icecache.cache.dense import windowed_dense
-from icecache.cache.paged import chunk_positions, paged_chunk_reference, paged_chunk_sdpa
+from icecache.cache.paged import chunk_positions, paged_chunk_flash, paged_chunk_reference, paged_chunk_sdpa
 from icecache.errors import UsageError
 from icecache.methods import make_cache, prepare_model
 
@@ -147,6 +147,15 @@ def test_chunk_attention_sdpa_matches_reference():
     k2[:, 21:25] = 1e3
     torch.testing.assert_close(paged_chunk_sdpa(q, k2, v, valid, 20, 0.3)[:, :, 0], got[:, :, 0],
                                atol=1e-5, rtol=1e-5)
+    # the maskless path (CPU): the same, valid rows after the chunk included, and a head that sees
+    # nothing outside the chunk
+    torch.testing.assert_close(paged_chunk_flash(q, k, v, valid, 20, 0.3), got, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(paged_chunk_flash(q, k2, v, valid, 20, 0.3)[:, :, 0], got[:, :, 0],
+                               atol=1e-5, rtol=1e-5)
+    lonely = valid.clone()
+    lonely[1, :20] = lonely[1, 25:] = False
+    torch.testing.assert_close(paged_chunk_flash(q, k, v, lonely, 20, 0.3),
+                               paged_chunk_reference(q, k, v, lonely, 20, 0.3), atol=1e-5, rtol=1e-5)
     assert chunk_positions(2048, 8).tolist()[-1] == 2047 and len(chunk_positions(2048, 8)) == 8
     assert chunk_positions(3, 8).tolist() == [0, 1, 2]
 

@@ -31,6 +31,7 @@ from .backend import TorchBackend
 from .host_store import HostStore
 from .paged import (
     chunk_positions,
+    paged_chunk_flash,
     paged_chunk_sdpa,
     paged_decode_rest,
     paged_decode_sdpa,
@@ -425,7 +426,8 @@ class IceLayer(CacheLayerMixin):
         k, v, valid = r.tensors()
         if self.remap is not None:
             k = self._placed(k, pages_at)
-        out = paged_chunk_sdpa(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
+        attend = paged_chunk_flash if k.device.type == "cpu" else paged_chunk_sdpa  # the same attention, no mask
+        out = attend(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
         self.after_chunk()
         return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
 

@@ -124,6 +124,38 @@ def chunk_mask(valid: torch.Tensor, chunk_at: int, C: int) -> torch.Tensor:
     return mask
 
 
+def paged_chunk_flash(q, k, v, valid, chunk_at, scaling):
+    """:func:`paged_chunk_reference` on the CPU without a mask (:mod:`.chunked` does the same for a
+    dense prefix): the chunk over itself, causally, in one flash call for every query head; per KV
+    head, the chunk over that head's valid rows outside the chunk (gathered: heads keep different
+    pages) in one maskless call, its query heads stacked along the sequence; the two merged by
+    their log-sum-exps. The chunk's own rows must all be valid (:func:`paged_chunk_sdpa`
+    otherwise)."""
+    H, G, C, d = q.shape
+    if not bool(valid[:, chunk_at : chunk_at + C].all()):
+        return paged_chunk_sdpa(q, k, v, valid, chunk_at, scaling)
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+    kc = k[:, chunk_at : chunk_at + C].repeat_interleave(G, dim=0)[None]
+    vc = v[:, chunk_at : chunk_at + C].repeat_interleave(G, dim=0)[None]
+    own, own_lse = flash(q.reshape(1, H * G, C, d), kc, vc, 0.0, True, scale=scaling)[:2]
+    own, own_lse = own.reshape(H, G, C, d), own_lse.reshape(H, G, C)
+    outside = valid.clone()
+    outside[:, chunk_at : chunk_at + C] = False
+    out = own.float()
+    for h in range(H):
+        rows = outside[h].nonzero().flatten()
+        if not len(rows):
+            continue
+        pre, pre_lse = flash(q[h].reshape(1, 1, G * C, d), k[h, rows][None, None], v[h, rows][None, None],
+                             0.0, False, scale=scaling)[:2]
+        pre, pre_lse = pre.reshape(G, C, d), pre_lse.reshape(G, C)
+        top = torch.maximum(own_lse[h], pre_lse)
+        w_own = torch.exp(own_lse[h] - top)[..., None]
+        w_pre = torch.exp(pre_lse - top)[..., None]
+        out[h] = (own[h].float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
+    return out.to(q.dtype)
+
+
 def paged_chunk_sdpa(q, k, v, valid, chunk_at, scaling):
     """:func:`paged_chunk_reference` through torch's fused SDPA."""
     H, G, C, d = q.shape
