@@ -76,3 +76,14 @@ def test_sdpa_forward_takes_the_maskless_path_only_for_the_prefix_causal_pattern
     calls.clear()
     run(causal, C, T, dropout=0.1)
     assert not calls
+
+
+def test_bfloat16_chunks_as_the_masked_reference():
+    """A bfloat16 model's chunks: the merge runs in float32 and returns the input's dtype."""
+    torch.manual_seed(3)
+    q = torch.randn(1, 9, 40, 64).bfloat16()
+    k, v = torch.randn(1, 3, 130, 64).bfloat16(), torch.randn(1, 3, 130, 64).bfloat16()
+    out = prefix_causal(q, k, v, 0.125)
+    ref = prefix_causal_reference(q.float(), k.float(), v.float(), 0.125)
+    assert out.dtype == torch.bfloat16
+    torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)

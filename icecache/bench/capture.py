@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..cache.chunked import sdpa_forward
 from ..textgen import generated_text
 
 
@@ -38,7 +39,6 @@ def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chun
             seed: int = 0, on_chunk=None, exact_max: int | None = None, sink: int = 4) -> Capture:
     """Keys of the first ``num_keys`` tokens and queries of the next ``num_queries``."""
     from transformers import AttentionInterface, AttentionMaskInterface, DynamicCache
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
     model, tok = loaded.model, loaded.tokenizer
@@ -55,7 +55,7 @@ def capture(loaded, num_keys: int, layers: list[int], num_queries: int = 8, chun
     def recording(module, query, key, value, attention_mask, **kw):
         if module.layer_idx in layers:
             recorded[module.layer_idx] = query[0].detach().float()
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kw)
+        return sdpa_forward(module, query, key, value, attention_mask, **kw)
 
     AttentionInterface.register("icecache_capture", recording)
     # The same masks as sdpa (without a registered mask function, transformers passes none, and
