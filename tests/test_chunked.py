@@ -87,3 +87,14 @@ def test_bfloat16_chunks_as_the_masked_reference():
     ref = prefix_causal_reference(q.float(), k.float(), v.float(), 0.125)
     assert out.dtype == torch.bfloat16
     torch.testing.assert_close(out.float(), ref, atol=2e-2, rtol=2e-2)
+
+
+def test_one_wrong_cell_anywhere_in_the_mask_is_caught():
+    C, T = 16, 50
+    causal = torch.ones(C, T, dtype=torch.bool).tril(diagonal=T - C)[None, None]
+    assert is_prefix_causal(causal.clone(), C, T)
+    for i in range(C):
+        for j in range(0, T, 7):
+            m = causal.clone()
+            m[0, 0, i, j] = ~m[0, 0, i, j]
+            assert not is_prefix_causal(m, C, T), (i, j)

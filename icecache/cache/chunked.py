@@ -69,9 +69,12 @@ def is_prefix_causal(mask: torch.Tensor | None, C: int, T: int) -> bool:
         return False
     if _checked[0] is mask and _checked[1:3] == [C, T]:
         return _checked[3]
+    # read in place: every row sees the whole prefix, and the chunk's own C x C block is the
+    # lower triangle (no T-wide copy: a forced full prefill of a long prompt has a large mask)
     ok = (mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] == 1 and mask.shape[1] == 1
           and tuple(mask.shape[2:]) == (C, T)
-          and torch.equal(mask[0, 0], torch.ones(C, T, dtype=torch.bool, device=mask.device).tril(diagonal=T - C)))
+          and bool(mask[0, 0, :, : T - C].all())
+          and torch.equal(mask[0, 0, :, T - C :], torch.ones(C, C, dtype=torch.bool, device=mask.device).tril()))
     _checked[:] = [mask, C, T, ok]
     return ok
 
