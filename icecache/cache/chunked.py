@@ -54,12 +54,16 @@ def prefix_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, s
         return own
     stacked = query.reshape(1, H, G * C, d)  # query head h * G + g reads KV head h
     pre, pre_lse = flash(stacked, key[:, :, :P], value[:, :, :P], 0.0, False, scale=scaling)[:2]
-    pre, pre_lse = pre.reshape(1, Hq, C, d), pre_lse.reshape(1, Hq, C)
-    top = torch.maximum(own_lse, pre_lse)
-    w_own = torch.exp(own_lse - top)[..., None]
-    w_pre = torch.exp(pre_lse - top)[..., None]
-    out = (own.float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
-    return out.to(query.dtype)
+    return merged(own, own_lse, pre.reshape(1, Hq, C, d), pre_lse.reshape(1, Hq, C)).to(query.dtype)
+
+
+def merged(a: torch.Tensor, a_lse: torch.Tensor, b: torch.Tensor, b_lse: torch.Tensor) -> torch.Tensor:
+    """Attention over two disjoint sets of rows, from each set's output (..., d) and log-sum-exp
+    (...): the softmax-weighted mean of the two, in float32."""
+    top = torch.maximum(a_lse, b_lse)
+    wa = torch.exp(a_lse - top)[..., None]
+    wb = torch.exp(b_lse - top)[..., None]
+    return (a.float() * wa + b.float() * wb) / (wa + wb)
 
 
 def is_prefix_causal(mask: torch.Tensor | None, C: int, T: int) -> bool:

@@ -134,6 +134,8 @@ def paged_chunk_flash(q, k, v, valid, chunk_at, scaling):
     H, G, C, d = q.shape
     if not bool(valid[:, chunk_at : chunk_at + C].all()):
         return paged_chunk_sdpa(q, k, v, valid, chunk_at, scaling)
+    from .chunked import merged
+
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     kc = k[:, chunk_at : chunk_at + C].repeat_interleave(G, dim=0)[None]
     vc = v[:, chunk_at : chunk_at + C].repeat_interleave(G, dim=0)[None]
@@ -148,11 +150,7 @@ def paged_chunk_flash(q, k, v, valid, chunk_at, scaling):
             continue
         pre, pre_lse = flash(q[h].reshape(1, 1, G * C, d), k[h, rows][None, None], v[h, rows][None, None],
                              0.0, False, scale=scaling)[:2]
-        pre, pre_lse = pre.reshape(G, C, d), pre_lse.reshape(G, C)
-        top = torch.maximum(own_lse[h], pre_lse)
-        w_own = torch.exp(own_lse[h] - top)[..., None]
-        w_pre = torch.exp(pre_lse - top)[..., None]
-        out[h] = (own[h].float() * w_own + pre.float() * w_pre) / (w_own + w_pre)
+        out[h] = merged(own[h], own_lse[h], pre.reshape(G, C, d), pre_lse.reshape(G, C))
     return out.to(q.dtype)
 
 
