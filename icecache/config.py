@@ -30,7 +30,7 @@ HOST_DTYPES = ("auto",) + DTYPES
 POSITIONS = ("auto", "true", "remap")
 REMAP_PAGES = ("ordered", "one", "scaled", "spread")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
-WEIGHT_FORMATS = ("float", "int8", "int4")  # icecache.weights
+WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
 MAX_THREADS = 256
 
 
@@ -51,8 +51,10 @@ class Settings:
     cpu_threads: int = 0  # 0: one per core
     dtype: str = "float32"
     # the linear layers' weights: "float" (the model's dtype), "int8" (one scale per output
-    # channel) or "int4" (groups of 32 inputs with a step and a minimum each, the LM head's int8
-    # logits checked against its float weights); activations in dtype (icecache.weights)
+    # channel), "int4" (groups of 32 inputs with a step and a minimum each, the LM head's int8
+    # logits checked against its float weights) or "auto" (int4 on the CPU when it holds the
+    # model's weights exactly, as for a Q4_1 GGUF; else float); activations in dtype
+    # (icecache.weights)
     weights: str = "float"
     page_size: int = 16
     budget: int = 256
@@ -186,7 +188,7 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
     if s.weights not in WEIGHT_FORMATS:
         raise bad("weights", f"must be one of {', '.join(WEIGHT_FORMATS)}")
-    if s.weights != "float" and s.device != "cpu":
+    if s.weights not in ("float", "auto") and s.device != "cpu":
         raise bad("weights", "other than float run on the CPU only (GPU profiles keep the model's dtype)")
     if s.device_memory_gib < 0:
         raise bad("device_memory_gib", "must be >= 0")

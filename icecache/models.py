@@ -47,6 +47,7 @@ class LoadedModel:
     context_length: int
     load_seconds: float
     converted_now: bool = False
+    weights: str = "float"  # the format the linear layers are in (``auto`` resolved)
 
 
 def cache_root() -> Path:
@@ -247,10 +248,14 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         raise ModelError(f"model {spec} could not be loaded: {exc}") from None
     model.to(settings.device)
     model.eval()
+    weights = "float"
     if settings.weights != "float":
-        from .weights import quantize_model
+        from .weights import apply_weights
 
-        quantize_model(model, settings.weights)
+        weights = apply_weights(model, settings.weights, torch.device(settings.device).type)
+        if settings.weights == "auto":
+            log(f"weights: {weights} (auto: " + ("the model's linear layers are 4-bit groups, held exactly)"
+                                                 if weights == "int4" else "the model's own)"))
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,
@@ -259,4 +264,5 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         context_length=context,
         load_seconds=time.perf_counter() - start,
         converted_now=converted,
+        weights=weights,
     )

@@ -151,8 +151,12 @@ class Int4Linear(nn.Module):
         # CPU without bfloat16 instructions a bfloat16 product is 4x slower than a float32 one,
         # and the 4-bit values widened for each chunk made a short prompt's prefill 2.7x slower
         # than the float model's (docs/results.md, session 27). Kept, they make a chunk's product
-        # the float model's own (the values are the same), at the float model's memory.
-        self.register_buffer("widened", dequantized_groups(q, step, low, linear.weight.dtype), persistent=False)
+        # the float model's own (the values are the same), at the float model's memory. Where
+        # they equal the layer's weights (``exact``: a Q4_1 GGUF's layers), that tensor is kept
+        # instead of a copy.
+        widened = dequantized_groups(q, step, low, linear.weight.dtype)
+        self.exact = torch.equal(widened, linear.weight.detach())
+        self.register_buffer("widened", linear.weight.detach() if self.exact else widened, persistent=False)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self.act_dtype = linear.weight.dtype
@@ -250,12 +254,45 @@ def _head_names(model: nn.Module) -> set[str]:
     return {name for name, mod in model.named_modules() if mod is head}
 
 
-def quantize_model(model: nn.Module, fmt: str) -> int:
+def lossless_int4(model: nn.Module) -> dict[str, Int4Linear] | None:
+    """The int4 layers of ``model`` if every layer int4 would replace (the LM head aside) holds
+    its weights exactly in 4-bit groups, else ``None``. A model read from a GGUF whose linear
+    weights are 4-bit blocks of 32 with a step and an offset (Q4_1, the embedded model's) passes;
+    a float model fails at its first layer, having quantized only that one."""
+    heads = _head_names(model)
+    layers = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name not in heads and int4_fits(mod):
+            new = Int4Linear(mod)
+            if not new.exact:
+                return None
+            layers[name] = new
+    return layers or None
+
+
+def apply_weights(model: nn.Module, fmt: str, device: str = "cpu") -> str:
+    """Put ``model``'s linear layers in format ``fmt`` (:func:`quantize_model`) and return the
+    format they are in. ``auto``: int4 on the CPU when it holds the model's weights exactly
+    (:func:`lossless_int4`: what differs from the float model is the bfloat16 rounding of a
+    decode step's products, 99.5% the same tokens on the embedded model), else the model's own
+    (``float``); other devices keep the model's dtype."""
+    if fmt != "auto":
+        quantize_model(model, fmt)
+        return fmt
+    layers = lossless_int4(model) if device == "cpu" else None
+    if layers is None:
+        return "float"
+    quantize_model(model, "int4", layers)
+    return "int4"
+
+
+def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | None = None) -> int:
     """Replace the linear layers of ``model`` in format ``fmt``; returns how many were replaced.
     ``float`` leaves the model as it is; ``int8`` replaces every linear layer, the LM head
     included; ``int4`` every one whose shape its kernel takes, and the LM head as a
-    :class:`CheckedHead` (int8 logits, the possible maximum recomputed in float)."""
-    if fmt not in WEIGHT_FORMATS:
+    :class:`CheckedHead` (int8 logits, the possible maximum recomputed in float). ``built``: layers
+    made already, by module name (:func:`lossless_int4`'s)."""
+    if fmt not in WEIGHT_FORMATS or fmt == "auto":
         raise ValueError(f"unknown weight format '{fmt}' (known: {', '.join(WEIGHT_FORMATS)})")
     if fmt == "float":
         return 0
@@ -265,7 +302,9 @@ def quantize_model(model: nn.Module, fmt: str) -> int:
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        if fmt == "int8":
+        if built is not None and name in built:
+            new = built[name]
+        elif fmt == "int8":
             new = Int8Linear(mod)
         else:
             new = CheckedHead(mod) if name in heads else Int4Linear(mod)

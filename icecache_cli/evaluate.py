@@ -34,7 +34,7 @@ def evaluate(
     positions: Annotated[str | None, typer.Option("--positions", help="RoPE positions past the trained context: remap, true or auto. Default: the profile's.", show_default=False)] = None,
     rope_scaling: Annotated[str | None, typer.Option("--rope-scaling", help="RoPE scaling past the trained context: none, linear, dynamic or yarn (e.g. for full). Default: the profile's.", show_default=False)] = None,
     chunk_size: Annotated[int | None, typer.Option("--chunk-size", min=1, help="Prompt tokens per prefill chunk. Default: the profile's.", show_default=False)] = None,
-    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float, int8 or int4 (CPU). Default: the profile's.", show_default=False)] = None,
+    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float, int8, int4 (CPU) or auto. Default: the profile's.", show_default=False)] = None,
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None,
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False,

@@ -54,9 +54,10 @@ RopeScalingOpt = _profile_setting(str, "--rope-scaling", about=(
     "RoPE scaling for a run past the trained context: none, linear, dynamic (NTK) or yarn "
     "(transformers' own; positions stay true). The peer of --positions remap."))
 WeightsOpt = _profile_setting(str, "--weights", about=(
-    "The linear layers' weights: float (the model's dtype), int8 (one scale per output channel) "
-    "or int4 (groups of 32 with a step and a minimum each, exact for a Q4_1 GGUF's layers; the LM "
-    "head's int8 logits checked against the float weights wherever the largest could be). CPU only; "
+    "The linear layers' weights: float (the model's dtype), int8 (one scale per output channel), "
+    "int4 (groups of 32 with a step and a minimum each, exact for a Q4_1 GGUF's layers; the LM "
+    "head's int8 logits checked against the float weights wherever the largest could be), or auto "
+    "(int4 where it holds the model's weights exactly, else float). int8 and int4 run on the CPU only; "
     "decode reads a quarter or an eighth of float32's bytes."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
@@ -117,7 +118,7 @@ class BenchOptions:
     budget: Annotated[int | None, typer.Option("--budget", help="Budget in tokens (default: the profile's).", show_default=False)] = None
     profile: Annotated[str | None, typer.Option("--profile", "-p", help="Hardware profile.", show_default=False)] = None
     model: Annotated[str | None, typer.Option("--model", "-m", help="Model (default: embedded).", show_default=False)] = None
-    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float, int8 or int4 (CPU). Default: the profile's.", show_default=False)] = None
+    weights: Annotated[str | None, typer.Option("--weights", help="The linear layers' weights: float, int8, int4 (CPU) or auto. Default: the profile's.", show_default=False)] = None
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document as the last stdout line.")] = False
     quiet: QuietOpt = False
 

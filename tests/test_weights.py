@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 from torch import nn
@@ -205,6 +207,71 @@ def test_int4_model_checks_the_lm_head_and_keeps_the_shapes_the_kernel_cannot_ta
     model8 = _TinyLM()
     assert W.quantize_model(model8, "int8") == 4
     assert isinstance(model8.lm_head, W.Int8Linear)
+
+
+def _four_bit_groups(model: nn.Module) -> None:
+    """Round every linear layer but the head to 4-bit groups in place (what a Q4_1 GGUF holds)."""
+    head = model.get_output_embeddings()
+    with torch.no_grad():
+        for mod in model.modules():
+            if isinstance(mod, nn.Linear) and mod is not head and W.int4_fits(mod):
+                mod.weight.copy_(W.dequantized_groups(*W.quantize_groups(mod.weight)))
+
+
+def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
+    torch.manual_seed(3)
+    x = torch.randn(2, 64)
+    # float weights: int4 would round them, so auto keeps the model as it is
+    model = _TinyLM()
+    before = model(x).detach()
+    assert W.lossless_int4(model) is None
+    assert W.apply_weights(model, "auto") == "float"
+    assert type(model.body[0]) is nn.Linear and type(model.lm_head) is nn.Linear
+    assert torch.equal(model(x), before)
+    # weights that are 4-bit groups already: auto gives the int4 model, the same as asking for int4
+    grouped = _TinyLM()
+    _four_bit_groups(grouped)
+    one_layer_off = copy.deepcopy(grouped)
+    ref = copy.deepcopy(grouped)
+    ref_weight_ptr = grouped.body[0].weight.data_ptr()
+    float_copy = copy.deepcopy(grouped)
+    assert W.apply_weights(grouped, "auto") == "int4"
+    assert isinstance(grouped.body[0], W.Int4Linear) and isinstance(grouped.lm_head, W.CheckedHead)
+    assert type(grouped.body[2]) is nn.Linear  # a shape the kernel cannot take stays float
+    W.quantize_model(ref, "int4")
+    assert torch.equal(grouped(x), ref(x))
+    assert grouped.body[0].exact and grouped.body[0].widened.data_ptr() == ref_weight_ptr  # no copy
+    many = torch.randn(20, 64)  # a prefill chunk's rows: the float model's own products
+    assert torch.equal(grouped(many), float_copy(many))
+    # one weight moved off its group's levels: not exact, so float again
+    with torch.no_grad():
+        one_layer_off.body[0].weight[3, 5] += 1e-3
+    assert W.apply_weights(one_layer_off, "auto") == "float"
+    assert type(one_layer_off.body[0]) is nn.Linear and type(one_layer_off.lm_head) is nn.Linear
+    # off the CPU auto keeps the model's dtype without looking
+    other = _TinyLM()
+    _four_bit_groups(other)
+    assert W.apply_weights(other, "auto", device="cuda") == "float"
+    assert type(other.body[0]) is nn.Linear
+    # a named format is applied as asked
+    assert W.apply_weights(_TinyLM(), "int8") == "int8"
+
+
+def test_auto_weights_setting_runs_on_every_device():
+    assert resolve_settings("cpu", weights="auto").weights == "auto"
+    assert resolve_settings("h100-80gb", weights="auto").weights == "auto"
+    with pytest.raises(ValueError, match="unknown weight format"):
+        W.quantize_model(_TinyLM(), "auto")  # auto is resolved by apply_weights, not here
+
+
+def test_the_embedded_model_loads_in_int4_with_auto_weights(cpu_settings):
+    """The embedded GGUF's layers are 4-bit groups, so auto gives the int4 model."""
+    from icecache.models import load_model
+
+    loaded = load_model(None, cpu_settings.replace(weights="auto"))
+    assert loaded.weights == "int4"
+    assert isinstance(loaded.model.get_output_embeddings(), W.CheckedHead)
+    assert sum(isinstance(m, W.Int4Linear) for m in loaded.model.modules()) == 7 * loaded.model.config.num_hidden_layers
 
 
 def test_int4_setting_is_checked():
