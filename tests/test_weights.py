@@ -298,6 +298,19 @@ def test_the_embedded_model_with_int4_weights_agrees_with_float(loaded):
     assert agree >= 0.95, agree
 
 
+def test_head_tables_block_by_block_equal_the_whole_matrix():
+    torch.manual_seed(4)
+    w = torch.randn(1000, 96) * torch.linspace(0.1, 4.0, 1000)[:, None]
+    w[17] = 0.0  # a zero row keeps scale 1
+    q, scale = W.quantize_rows(w)
+    scale_c = scale.to(W.COMPUTE)
+    err = (q.float() * scale_c.float()[:, None] - w).abs().amax(1)
+    for block in (1000, 333, 64):
+        got = W.head_tables(w, block=block)
+        assert torch.equal(got[0], q) and torch.equal(got[1], scale_c)
+        assert torch.equal(got[2], err) and torch.equal(got[3], w.abs().amax(1))
+
+
 @pytest.mark.parametrize("bias", [False, True])
 def test_checked_head_gives_the_float_heads_largest_logit(bias):
     """Approximate logits within their bound everywhere, the float logits wherever the maximum
