@@ -4,8 +4,9 @@
 float scale per output channel (symmetric, round to nearest), the LM head included. ``int4``:
 four-bit values in groups of 32 inputs, each group with its own scale and minimum (asymmetric,
 round to nearest); the LM head becomes a :class:`CheckedHead` (int8 logits, the tokens that could
-be the largest recomputed from the float weights). Activations stay in the model's dtype outside
-the layers.
+be the largest recomputed from the float weights). ``auto`` (:func:`apply_weights`): int4 on the
+CPU when it holds every layer it replaces exactly, else the model's own weights. Activations stay
+in the model's dtype outside the layers.
 
 A decode step multiplies one row by every weight matrix, so it is bound by reading the weights:
 int8 reads a quarter of float32's bytes, int4 an eighth. The products are torch's own CPU kernels
