@@ -19,6 +19,7 @@ from .fast_step import fast_step_for
 from .memory import return_freed
 from .methods import make_cache, plan_run, prepare_model
 from .models import LoadedModel
+from .weights import prompt_products
 
 # on_progress(phase, done, total): phase is "prefill" (tokens) or "decode" (new tokens).
 Progress = Callable[[str, int, int], None]
@@ -124,7 +125,8 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     chunk = settings.chunk_size
     for lo in range(0, len(ids), chunk):
         x = torch.tensor([ids[lo : lo + chunk]], dtype=torch.long, device=model.device)
-        out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
+        with prompt_products():
+            out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
         if on_progress:
             on_progress("prefill", min(lo + chunk, len(ids)), len(ids))
     seconds = time.perf_counter() - t0
@@ -319,7 +321,8 @@ class Session:
         bounds = (chunk_bounds(start, save_at, run.chunk_size) + chunk_bounds(save_at, cut, run.chunk_size)
                   if save_at else chunk_bounds(start, cut, run.chunk_size))
         for lo, hi in bounds:
-            logits = self.forward(ids[lo:hi])
+            with prompt_products():
+                logits = self.forward(ids[lo:hi])
             report("prefill", hi - first, len(ids) - first)
             if save_at and hi == save_at:
                 self._save_prefix(ids[:save_at], dc)
@@ -427,7 +430,8 @@ class Session:
         self._pending = None
         t0 = time.perf_counter()
         for j, token in enumerate(tokens):
-            logits = self.forward([token])
+            with prompt_products():
+                logits = self.forward([token])
             report("prefill", total - len(tokens) + j + 1, total)
         if stats is not None:
             stats.prefill_seconds += time.perf_counter() - t0

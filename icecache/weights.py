@@ -29,6 +29,9 @@ session 27), so the int8 logits only narrow the choice and the float weights dec
 
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 from torch import nn
 
@@ -98,6 +101,29 @@ class Int8Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int8"
 
 
+_prompt = threading.local()
+
+
+@contextlib.contextmanager
+def prompt_products():
+    """Inside it (this thread), every product of an int4 layer and of the checked head is the float
+    model's product of the same weights, however few the rows: a prompt's short last chunk and the
+    prompt tokens a sparse prefill runs one at a time compute as the float model, so that the cache
+    and the first answer token are the float model's (an exact int4 layer holds the same values).
+    Outside, rows of a decode step take the four-bit kernels."""
+    before = getattr(_prompt, "on", False)
+    _prompt.on = True
+    try:
+        yield
+    finally:
+        _prompt.on = before
+
+
+def in_prompt() -> bool:
+    """Whether :func:`prompt_products` is on in this thread."""
+    return getattr(_prompt, "on", False)
+
+
 # int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
 # multiples of 16
 GROUP = 32
@@ -165,7 +191,7 @@ class Int4Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] > ROWS_INT8_KERNEL:
+        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
             return nn.functional.linear(x.to(self.act_dtype), self.widened, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
                                                       GROUP, self.kernel_table).to(self.act_dtype)
@@ -253,7 +279,7 @@ class CheckedHead(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] > ROWS_INT8_KERNEL:  # many rows (a prefill's logits): the float product
+        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():  # many rows, or a prompt: the float product
             return nn.functional.linear(x, self.weight, self.bias)
         approx, mask = self.candidates(rows)
         for r in range(rows.shape[0]):

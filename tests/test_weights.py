@@ -209,13 +209,20 @@ def test_int4_model_checks_the_lm_head_and_keeps_the_shapes_the_kernel_cannot_ta
     assert isinstance(model8.lm_head, W.Int8Linear)
 
 
-def _four_bit_groups(model: nn.Module) -> None:
-    """Round every linear layer but the head to 4-bit groups in place (what a Q4_1 GGUF holds)."""
+def _four_bit_groups(model: nn.Module, seed: int = 0) -> None:
+    """Give every linear layer but the head weights that are 4-bit groups of 32 (what a Q4_1 GGUF
+    holds): ``(q + low) * step`` with q in 0..15 (both ends in every group), an integer ``low``
+    per group and a power-of-two step, so that every value and the group's range are exact."""
     head = model.get_output_embeddings()
+    g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for mod in model.modules():
             if isinstance(mod, nn.Linear) and mod is not head and W.int4_fits(mod):
-                mod.weight.copy_(W.dequantized_groups(*W.quantize_groups(mod.weight)))
+                n, k = mod.weight.shape
+                q = torch.randint(0, 16, (n, k // W.GROUP, W.GROUP), generator=g).float()
+                q[..., 0], q[..., 1] = 0.0, 15.0
+                low = torch.randint(-12, 0, (n, k // W.GROUP, 1), generator=g).float()
+                mod.weight.copy_(((q + low) * 2.0 ** -7).reshape(n, k))
 
 
 def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
@@ -349,3 +356,49 @@ def test_the_embedded_models_checked_head_picks_the_float_heads_tokens(loaded):
         got = checked(hidden[:, None, :])[:, 0]
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
     assert checked.exact_rows < 40 * head.out_features // 100  # a small share recomputed
+
+
+def _grouped_tiny_llama():
+    """A tiny Llama whose linear layers are 4-bit groups (as a Q4_1 GGUF's), with a float copy."""
+    from tests.test_ice_cache import tiny_model
+
+    model = tiny_model("llama")
+    _four_bit_groups(model)
+    float_model = copy.deepcopy(model)
+    assert W.apply_weights(model, "auto") == "int4"
+    return float_model, model
+
+
+@pytest.mark.parametrize("method,prefill", [("full", "full"), ("ice", "sparse")])
+def test_a_prompt_computes_as_the_float_model_and_decode_steps_take_the_kernels(method, prefill):
+    """Prompt tokens (a short last chunk; a sparse prefill's one-at-a-time last tokens) run the
+    float products of the int4 layers' exact values: the cache and the first token's logits are the
+    float model's, bit for bit. Decode steps take the four-bit kernels: their logits move."""
+    from icecache.generation import Session
+    from icecache.models import LoadedModel
+
+    float_model, int4_model = _grouped_tiny_llama()
+    settings = resolve_settings("cpu").replace(
+        page_size=4, budget=16, sink_pages=1, window_pages=2, dense_layers=1, chunk_size=64,
+        prefill=prefill, prefill_queries=4, pipeline=False, answer_spans=0)
+    prompt = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(5)).tolist()
+    logits, sessions = [], []
+    for model in (float_model, int4_model):
+        s = Session(LoadedModel(model=model, tokenizer=None, name="tiny", context_length=4096,
+                                load_seconds=0.0), settings, method)
+        s.new_tokens = 8
+        with torch.inference_mode():
+            got, _ = s.prefill(prompt)
+        logits.append(got)
+        sessions.append(s)
+    assert torch.equal(logits[0], logits[1])
+    with torch.inference_mode():
+        steps = [s.forward([int(logits[0].argmax())]) for s in sessions]
+        one_row = int4_model(input_ids=torch.tensor([prompt[:1]])).logits
+        with W.prompt_products():
+            one_row_float = int4_model(input_ids=torch.tensor([prompt[:1]])).logits
+        reference = float_model(input_ids=torch.tensor([prompt[:1]])).logits
+    assert not torch.equal(steps[0], steps[1])  # bfloat16 products in the decode step
+    assert torch.allclose(steps[0], steps[1], atol=0.05 * steps[0].abs().max().item())
+    assert not torch.equal(one_row, reference) and torch.equal(one_row_float, reference)
+    assert not W.in_prompt()
