@@ -63,10 +63,12 @@ def cpu_settings():
 
 @pytest.fixture(scope="session")
 def loaded(cpu_settings):
-    """The embedded model (converted once into the user cache, as a user's first run does)."""
+    """The embedded model (converted once into the user cache, as a user's first run does), with
+    float weights: the reference the cache tests compare against (the cpu profile's ``weights:
+    auto`` takes int4 for it, whose one-row products round to bfloat16; tests/test_weights.py)."""
     from icecache.models import load_model
 
-    return load_model(None, cpu_settings)
+    return load_model(None, cpu_settings.replace(weights="float"))
 
 
 def run_cli(args: list[str], stdin: bytes | None = b"", env: dict | None = None, timeout: int = 300):
