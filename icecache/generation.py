@@ -123,12 +123,12 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     cache = DenseCache(model.config.num_hidden_layers)
     t0 = time.perf_counter()
     chunk = settings.chunk_size
-    for lo in range(0, len(ids), chunk):
-        x = torch.tensor([ids[lo : lo + chunk]], dtype=torch.long, device=model.device)
-        with prompt_products():
+    with prompt_products():
+        for lo in range(0, len(ids), chunk):
+            x = torch.tensor([ids[lo : lo + chunk]], dtype=torch.long, device=model.device)
             out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
-        if on_progress:
-            on_progress("prefill", min(lo + chunk, len(ids)), len(ids))
+            if on_progress:
+                on_progress("prefill", min(lo + chunk, len(ids)), len(ids))
     seconds = time.perf_counter() - t0
     queries, grids = record.recorded(), record.grids()
     record.start(0)
@@ -320,12 +320,12 @@ class Session:
         # from there, so both compute the same chunks).
         bounds = (chunk_bounds(start, save_at, run.chunk_size) + chunk_bounds(save_at, cut, run.chunk_size)
                   if save_at else chunk_bounds(start, cut, run.chunk_size))
-        for lo, hi in bounds:
-            with prompt_products():
+        with prompt_products():
+            for lo, hi in bounds:
                 logits = self.forward(ids[lo:hi])
-            report("prefill", hi - first, len(ids) - first)
-            if save_at and hi == save_at:
-                self._save_prefix(ids[:save_at], dc)
+                report("prefill", hi - first, len(ids) - first)
+                if save_at and hi == save_at:
+                    self._save_prefix(ids[:save_at], dc)
         if hasattr(self.cache, "end_prefill"):
             self.cache.end_prefill()  # offload and index done: part of the prefill's time
         if len(ids) - start > run.chunk_size:
@@ -429,10 +429,10 @@ class Session:
         tokens, total, report, logits = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        for j, token in enumerate(tokens):
-            with prompt_products():
+        with prompt_products():
+            for j, token in enumerate(tokens):
                 logits = self.forward([token])
-            report("prefill", total - len(tokens) + j + 1, total)
+                report("prefill", total - len(tokens) + j + 1, total)
         if stats is not None:
             stats.prefill_seconds += time.perf_counter() - t0
         return logits

@@ -254,8 +254,8 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
 
         weights = apply_weights(model, settings.weights, torch.device(settings.device).type)
         if settings.weights == "auto":
-            log(f"weights: {weights} (auto: " + ("the model's linear layers are 4-bit groups, held exactly)"
-                                                 if weights == "int4" else "the model's own)"))
+            why = "the model's linear layers are 4-bit groups, held exactly" if weights == "int4" else "the model's own"
+            log(f"weights: {weights} (auto: {why})")
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,
