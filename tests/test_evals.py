@@ -116,6 +116,24 @@ def test_a_killed_eval_resumes_mid_cell_from_its_finished_cases(loaded, cpu_sett
     assert "(from" in logs[0] and all("(from" not in x for x in logs[1:]) and len(logs) == 3
 
 
+def test_a_resumed_sparse_group_keeps_every_budgets_new_cases(loaded, cpu_settings, tmp_path):
+    """Sibling budgets decode from one sparse prefill per case. After an interrupted run in which
+    one budget has a case the other lacks, a case computed for both is kept for both (it was
+    dropped for the budget missing the earlier case, whose own run then prefilled it again)."""
+    settings = cpu_settings.replace(prefill="sparse", chunk_size=256, prefill_budget=256, dense_window=256)
+    a, b = runner.Cell("passkey", "ice", 32, 500), runner.Cell("passkey", "ice", 64, 500)
+    (tmp_path / "cases.jsonl").write_text(json.dumps({"cell": list(a.key()), "case": 0, "score": 0.25}) + "\n")
+    got_a = runner.Evaluator(loaded, settings, 2, 0, out=tmp_path).run(a, [b])
+    assert got_a["detail"][0] == 0.25 and got_a["n"] == 2
+    lines = [json.loads(x) for x in (tmp_path / "cases.jsonl").read_text().splitlines()]
+    made = {(tuple(x["cell"]), x["case"]): x["score"] for x in lines}
+    assert set(made) == {(a.key(), 0), (a.key(), 1), (b.key(), 1)}
+    logs = []
+    got_b = runner.Evaluator(loaded, settings, 2, 0, out=tmp_path, log=logs.append).run(b)
+    assert "(from" not in logs[0] and "(from" in logs[1]  # only case 0 computed
+    assert got_b["detail"][1] == made[b.key(), 1]
+
+
 def test_eval_plot_without_matplotlib(tmp_path):
     """Without the plot extra, --plot is one clear error before any work."""
     fake = tmp_path / "site" / "matplotlib"

@@ -162,36 +162,35 @@ class Evaluator:
         tok = self.loaded.tokenizer
         group = [cell] + [c for c in self._siblings
                           if c.key() != cell.key() and (c.task, c.method, c.length) == (cell.task, cell.method, cell.length)]
-        scores: dict[tuple, list[float]] = {c.key(): [] for c in group}
+        # per cell, case index -> score: a sibling may have cases an earlier run made that this
+        # cell lacks, and the other way round (each keeps what it has; the group computes the rest)
+        scores: dict[tuple, dict[int, float]] = {c.key(): {} for c in group}
         for i, case in enumerate(cases):
-            if (cell.key(), i) in self._cases:  # scored by an earlier, interrupted run
-                for c in group:
-                    if (c.key(), i) in self._cases and len(scores[c.key()]) == i:
-                        scores[c.key()].append(self._cases[(c.key(), i)])
-                self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][-1]:g} (from {self.out})")
+            for c in group:
+                if (c.key(), i) in self._cases:  # scored by an earlier, interrupted run
+                    scores[c.key()][i] = self._cases[(c.key(), i)]
+            if i in scores[cell.key()]:
+                self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][i]:g} (from {self.out})")
                 continue
             ids = tok(case.prompt)["input_ids"]
             settings = self._settings(cell)
             if methods_.prefill_mode(cell.base, self.loaded.model, settings, len(ids)) == "sparse":
-                outs = self._sparse_group(group, ids, new_tokens)
+                outs = self._sparse_group([c for c in group if i not in scores[c.key()]], ids, new_tokens)
             else:
                 session = Session(self.loaded, settings, cell.base)
                 outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
             for key, out in outs.items():
-                if len(scores[key]) != i:
-                    continue  # a sibling missing earlier cases: it runs on its own
                 text = tok.decode(out)
-                scores[key].append(score(text, case))
-                self._cases[(key, i)] = scores[key][-1]
-                append_case(self.out, key, i, scores[key][-1], text, _expected(case))
+                scores[key][i] = self._cases[(key, i)] = score(text, case)
+                append_case(self.out, key, i, scores[key][i], text, _expected(case))
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
-                f"{scores[c.key()][-1]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
+                f"{scores[c.key()][i]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
                 for c in group if c.key() in outs))
         rows = {}
         for c in group:
-            got = scores[c.key()]
-            if len(got) != len(cases):
+            if len(scores[c.key()]) != len(cases):
                 continue  # not computed with this group: runs on its own
+            got = [scores[c.key()][i] for i in range(len(cases))]
             row = {"score": sum(got) / len(got), "n": len(got), "detail": got}
             if getattr(cases[0], "depth", None) is not None:
                 row["depths"] = [x.depth for x in cases]  # for the length x depth picture
