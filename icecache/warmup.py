@@ -43,12 +43,13 @@ def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None
 
 
 def compile_cache() -> None:
-    """The cache's own kernels: the page-load plan, the dense decode scores, token_pick's
-    choice (the pick and the packing of the chosen tokens into pages) and the remapped
-    positions' offsets and key placement."""
+    """The cache's own kernels: the page-load plan, the dense decode scores (and the votes'
+    scores over 16-bit host keys), token_pick's choice (the pick and the packing of the chosen
+    tokens into pages) and the remapped positions' offsets and key placement."""
     from .cache.kernels import (
         choose_tokens,
         dense_scores,
+        half_scores,
         ordered_offsets_nb,
         pick_rows,
         place_rows,
@@ -63,6 +64,9 @@ def compile_cache() -> None:
               np.empty(8, np.int64), 0)
     dense_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32), 16,
                  np.empty((2, 3, 16), np.float32))
+    for brain in (False, True):  # answer_spans' votes over a float16 or bfloat16 host store
+        half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
+                    np.empty((2, 3, 16), np.float32))
     px = np.zeros((4, S, 9), np.float32)
     pick_rows(px, members, np.full(4, S, np.int32), np.arange(4, dtype=np.int64),
               np.ones((3, 8), np.float32), 6, 0.35)

@@ -36,17 +36,45 @@ def test_passages_do_not_overlap_on_random_votes():
         assert set(range(max(0, top - 4), min(n, top + 8))) <= set(rows.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("n", [20, 2 * spans.VOTE_BLOCK + 5])  # one block; blocks and a partial one
-def test_head_weights_are_the_heads_largest_softmax_weights(n):
+def test_head_weights_are_the_heads_largest_softmax_weights(n, dtype):
+    """Over the first n rows of a store's buffer (more rows than that, the rest not voted over),
+    whatever the host dtype: 16-bit keys through the numba kernel, float32 through the reference."""
     rng = np.random.default_rng(1)
     q = rng.normal(size=(2, 3, 8)).astype(np.float32)
-    k = rng.normal(size=(2, n, 8)).astype(np.float16)
-    s = np.einsum("hgd,hnd->hgn", q.astype(np.float64), k.astype(np.float64)) * 0.5
+    buf = torch.from_numpy(rng.normal(size=(2, n + 7, 8)).astype(np.float32)).to(dtype)
+    k = buf[:, :n].double().numpy()
+    s = np.einsum("hgd,hnd->hgn", q.astype(np.float64), k) * 0.5
     p = np.exp(s - s.max(-1, keepdims=True))
     want = (p / p.sum(-1, keepdims=True)).max((0, 1))
-    got = head_weights(torch.from_numpy(q), torch.from_numpy(k), 0.5)
+    got = head_weights(torch.from_numpy(q), buf, n, 0.5)
     np.testing.assert_allclose(got, want, rtol=1e-4)
     assert got.shape == (n,) and 1 / n <= got.max() <= 1.0
+    assert head_weights(torch.from_numpy(q), buf, 0, 0.5).shape == (0,)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_half_scores_equal_the_reference_product(dtype):
+    """The kernel's conversion of 16-bit rows against torch's: signs, zeros and magnitudes over
+    the float16 range's normal values (1e-4 .. 6e4), rows 0 .. n-1 of a longer buffer, several
+    parallel blocks and a partial one; a query group of 4 heads."""
+    from icecache.cache.kernels import HALF_BLOCK, half_scores
+
+    rng = np.random.default_rng(5)
+    H, G, d, n = 2, 4, 16, 2 * HALF_BLOCK + 37
+    mag = 10.0 ** rng.uniform(-4, 4.7, size=(H, n + 9, d))
+    keys = torch.from_numpy(mag * rng.choice([-1.0, 1.0], size=mag.shape)).to(dtype)
+    keys[0, 3] = 0.0
+    keys[1, 5, :4] = -0.0
+    q = torch.from_numpy(rng.normal(size=(H, G, d)).astype(np.float32)) * 1e-3
+    out = np.full((H, G, n), np.nan, np.float32)
+    half_scores(q.numpy(), keys.view(torch.int16).numpy().view(np.uint16), n, dtype == torch.bfloat16, out)
+    want = spans.vote_scores_reference(q, keys[:, :n]).numpy()
+    exact = np.einsum("hgd,hnd->hgn", q.double().numpy(), keys[:, :n].double().numpy())
+    np.testing.assert_allclose(want, exact, rtol=1e-4, atol=1e-3)
+    np.testing.assert_allclose(out, exact, rtol=1e-4, atol=1e-3)
+    assert np.all(out[0, :, 3] == 0.0)
 
 
 def test_a_row_keeps_its_best_vote():
@@ -176,8 +204,8 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
 
     calls: list[tuple[int, np.ndarray]] = []
 
-    def recorded(queries, keys, scale):
-        got = spans.head_weights(queries, keys, scale)
+    def recorded(queries, keys, n, scale):
+        got = spans.head_weights(queries, keys, n, scale)
         calls.append((step[0], got))
         return got
 

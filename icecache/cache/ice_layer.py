@@ -402,8 +402,7 @@ class IceLayer(CacheLayerMixin):
             self._pinned_load = (ids.astype(np.int64), self.pinned.table(), rows)
             self._pinned_lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
         elif self.length <= at + 1:
-            keys = self.store.keys[:, : self.store.rows]
-            self.votes.add(head_weights(chooser.cpu(), keys, scale), self.length)
+            self.votes.add(head_weights(chooser.cpu(), self.store.keys, self.store.rows, scale), self.length)
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads

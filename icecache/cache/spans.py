@@ -32,9 +32,11 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .kernels import half_scores
 from .spec import SPAN_PAGES
 
-VOTE_BLOCK = 2048  # keys per block of the votes' scores
+VOTE_BLOCK = 2048  # keys per block of the reference's scores
+HALVES = (torch.float16, torch.bfloat16)
 
 
 class SpanVotes:
@@ -89,16 +91,32 @@ def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int) -> np.nd
     return np.unique(np.concatenate(rows)) if rows else np.empty(0, np.int64)
 
 
-def head_weights(queries: torch.Tensor, keys: torch.Tensor, scale: float) -> np.ndarray:
-    """queries (H, G, d), keys (H, n, d) -> (n,) float64: each query head's softmax over the n
-    keys; a key's weight is its largest over the query heads."""
-    H, n, _ = keys.shape
+def head_weights(queries: torch.Tensor, keys: torch.Tensor, n: int, scale: float) -> np.ndarray:
+    """queries (H, G, d), keys (H, >= n, d) (a host store's buffer; rows 0 .. n-1 are voted
+    over) -> (n,) float64: each query head's softmax over the n keys; a key's weight is its
+    largest over the query heads. 16-bit keys in host memory are scored by
+    :func:`~icecache.cache.kernels.half_scores`, others by :func:`vote_scores_reference`."""
+    H = keys.shape[0]
     if n == 0:
         return np.zeros(0)
     q = queries.float() * scale
-    s = torch.empty(H, q.shape[1], n, dtype=torch.float32, device=keys.device)  # (H, G, n)
-    # float16 host keys converted a block at a time: one float32 copy of a 100k store cost more
-    # than the product itself (67 vs 27 ms per layer and step; blocks: 45 ms in all)
+    if keys.dtype in HALVES and keys.device.type == "cpu" and keys.is_contiguous():
+        bits = keys.view(torch.int16).numpy().view(np.uint16)
+        out = np.empty((H, q.shape[1], n), np.float32)
+        half_scores(np.ascontiguousarray(q.cpu().numpy()), bits, n, keys.dtype == torch.bfloat16, out)
+        s = torch.from_numpy(out)
+    else:
+        s = vote_scores_reference(q, keys[:, :n])
+    return torch.softmax(s, dim=-1).amax(dim=(0, 1)).double().cpu().numpy()
+
+
+def vote_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """q (H, G, d) float32 (scaled) times keys (H, n, d) of any float dtype -> (H, G, n) float32:
+    the plain product, the keys converted to float32 a block at a time (one float32 copy of a
+    100k float16 store cost more than the product itself: 67 vs 27 ms per layer and step)."""
+    H, n, _ = keys.shape
+    s = torch.empty(H, q.shape[1], n, dtype=torch.float32, device=keys.device)
+    q = q.to(keys.device)
     for a in range(0, n, VOTE_BLOCK):
         torch.matmul(q, keys[:, a : a + VOTE_BLOCK].float().transpose(1, 2), out=s[:, :, a : a + VOTE_BLOCK])
-    return torch.softmax(s, dim=-1).amax(dim=(0, 1)).double().cpu().numpy()
+    return s
