@@ -471,6 +471,20 @@ def test_mass_merge_with_full_beam_equals_the_softmax_page_mass_reference():
     assert ranks.select_group(queries, 40, 5).tolist() != trees[0].select_group(queries, 40, 5).tolist()
 
 
+def test_the_mass_merges_exponential_matches_numpy():
+    """``exp_near`` (the mass merge's vectorized exponential) against NumPy's over its range,
+    0 at and below the cut-off, and into a separate output only."""
+    from icecache.index.kernels.shared import NEGLIGIBLE, exp_near
+
+    x = np.concatenate([-np.linspace(0, NEGLIGIBLE, 20001, dtype=np.float32),
+                        np.float32([-NEGLIGIBLE - 1e-3, -40.0, -1e6])])
+    out = np.full_like(x, np.nan)
+    exp_near(x, out)
+    inside = x > -NEGLIGIBLE
+    np.testing.assert_allclose(out[inside], np.exp(x[inside].astype(np.float64)), rtol=1e-5)
+    assert np.all(out[~inside] == 0.0) and out[0] == pytest.approx(1.0, abs=1e-6)
+
+
 def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
     """The peaks merge ranks pages by each query's softmax over the pages' best scores, summed
     over the group (NumPy reference here, every key scanned by a full beam); through

@@ -166,6 +166,32 @@ def best_pages(pages, starts, scratch_scores, r, max_pages):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
+def exp_near(x, out):
+    """out[i] = exp(x[i]) for x[i] in (-NEGLIGIBLE, 0], 0 at or below -NEGLIGIBLE; ``x`` and
+    ``out`` must not overlap. exp(x / 16) by its degree-10 Taylor polynomial on (-1, 0], squared
+    four times: relative error under 1e-5, and a loop the compiler vectorizes (numba's ``np.exp``
+    is a call per element here, without SVML)."""
+    for i in range(x.shape[0]):
+        t = max(x[i], np.float32(-NEGLIGIBLE)) * np.float32(1.0 / 16.0)
+        p = np.float32(1.0 / 3628800.0)
+        p = p * t + np.float32(1.0 / 362880.0)
+        p = p * t + np.float32(1.0 / 40320.0)
+        p = p * t + np.float32(1.0 / 5040.0)
+        p = p * t + np.float32(1.0 / 720.0)
+        p = p * t + np.float32(1.0 / 120.0)
+        p = p * t + np.float32(1.0 / 24.0)
+        p = p * t + np.float32(1.0 / 6.0)
+        p = p * t + np.float32(0.5)
+        p = p * t + np.float32(1.0)
+        p = p * t + np.float32(1.0)
+        p = p * p
+        p = p * p
+        p = p * p
+        p = p * p
+        out[i] = p if x[i] > -NEGLIGIBLE else np.float32(0.0)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
 def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
     """The group's pages (runs of :func:`page_runs`) ranked by the attention mass its queries
     are estimated to put on them, at most ``max_pages``.
@@ -173,36 +199,42 @@ def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
     Each query's softmax (scores x ``scale``) is taken over the rows the walk scanned (they hold
     its largest scores), and a page's estimate is the sum over the group's queries of its
     scanned members' weights: the pages that hold the most of the group's summed attention,
-    the figure the selection is judged by. One exponential per row and query, none for a row
-    more than :data:`NEGLIGIBLE` below the query's best (its weight is under 1e-13 of the
-    best's). ``scratch_scores`` is read only.
+    the figure the selection is judged by. A row more than :data:`NEGLIGIBLE` below the query's
+    best counts 0 (its weight is under 1e-13 of the best's). The scores are taken a query at a
+    time into a contiguous row, so that the exponentials (:func:`exp_near`) run vectorized:
+    17 against 41 us per group of 3 queries over 2300 scanned rows (session 40), where the rank
+    merge takes 11. ``scratch_scores`` is read only.
     """
     n = pages.shape[0]
     kept = starts[n]
     g = scratch_scores.shape[1]
-    c = np.empty(g, np.float32)
-    top = np.full(g, -np.inf, np.float32)
-    for r in range(g):
-        c[r] = norms[r] * scale
+    x = np.empty((g, kept), np.float32)
+    best = np.full(g, -np.inf, np.float32)
     for i in range(kept):
         for r in range(g):
-            top[r] = max(top[r], scratch_scores[i, r] * c[r])
-    z = np.zeros(g, np.float32)
-    per_page = np.zeros((n, g), np.float32)
-    for j in range(n):
-        for i in range(starts[j], starts[j + 1]):
-            for r in range(g):
-                x = scratch_scores[i, r] * c[r] - top[r]
-                if x > -NEGLIGIBLE:
-                    e = np.exp(x)
-                    per_page[j, r] += e
-                    z[r] += e
+            v = scratch_scores[i, r]
+            x[r, i] = v
+            best[r] = max(best[r], v)
+    e = np.empty(kept, np.float32)
+    page_sum = np.empty(n, np.float32)
     mass = np.zeros(n, np.float32)
-    for j in range(n):
-        acc = np.float32(0.0)
-        for r in range(g):
-            acc += per_page[j, r] / z[r]
-        mass[j] = acc
+    for r in range(g):
+        row = x[r]
+        c = norms[r] * scale  # the walk's scores are against the query's unit vector
+        top = best[r] * c
+        for i in range(kept):
+            row[i] = row[i] * c - top
+        exp_near(row, e)
+        z = np.float32(0.0)
+        for j in range(n):
+            acc = np.float32(0.0)
+            for i in range(starts[j], starts[j + 1]):
+                acc += e[i]
+            page_sum[j] = acc
+            z += acc
+        inv = np.float32(1.0) / z
+        for j in range(n):
+            mass[j] += page_sum[j] * inv
     order = topk_indices(mass, min(max_pages, n))
     return pages[order]
 
