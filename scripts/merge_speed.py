@@ -23,7 +23,6 @@ from numba import njit  # noqa: E402
 
 from icecache.index import IndexConfig, walk  # noqa: E402
 from icecache.index.kernels import shared  # noqa: E402
-from icecache.index.kernels.pages import merge_ranked  # noqa: E402
 from icecache.index.kernels.query import topk_indices  # noqa: E402
 from icecache.index.tree import DCITree  # noqa: E402
 
@@ -62,15 +61,8 @@ def mass_pages_scalar(pages, starts, scratch_scores, norms, scale, max_pages):
 
 @njit(nogil=True)
 def ranks_merge(pages, starts, scratch_scores, norms, scale, max_pages):
-    """The rank merge as ``select_group_shared`` runs it."""
-    g = scratch_scores.shape[1]
-    lists = np.empty((g, max_pages), np.int32)
-    lens = np.zeros(g, np.int64)
-    for r in range(g):
-        best = shared.best_pages(pages, starts, scratch_scores, r, max_pages)
-        lists[r, : best.shape[0]] = best
-        lens[r] = best.shape[0]
-    return merge_ranked(lists, lens, max_pages)
+    """The rank merge as ``select_group_shared`` runs it (the mass merges' arguments)."""
+    return shared.ranks_pages(pages, starts, scratch_scores, max_pages)
 
 
 def repeated(fn):
