@@ -42,8 +42,31 @@ def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None
         select_layer(trees[:h], queries[:h], 64, 4)
 
 
+def compile_loads(kv_heads=KV_HEADS) -> None:
+    """A decode step's page loads in one call (:func:`~icecache.cache.kernels.load_pool`),
+    compiled per KV head count (its page tables come as one tuple per layer): from a 16-bit host
+    store (the CPU profile's float16) for each count, from a float32 store for the embedded
+    model's 3 heads (another count compiles on its first use, a few seconds)."""
+    from .cache.kernels import load_pool, widening_table
+
+    S, P, d = 4, 3, 4
+    rows = 1 + P * S + 2
+    for H, bits in [(h, np.uint16) for h in kv_heads] + [(3, np.uint32)]:
+        table = widening_table("float16") if bits is np.uint16 else np.empty(0, np.uint32)
+        load_pool(np.zeros((H, 1), np.int64), np.ones(H, np.int64), np.full((H, P), -1, np.int64),
+                  np.zeros((H, P), np.int64), np.zeros((H, P), np.int64),
+                  tuple(np.zeros(4, np.int64) for _ in range(H)),
+                  tuple(np.zeros((4, S), np.int32) for _ in range(H)),
+                  tuple(np.full(4, S, np.int32) for _ in range(H)), np.zeros(0, np.int64),
+                  np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
+                  np.zeros(0, np.int64), P, S, 1, np.zeros((H, rows), np.bool_),
+                  np.full((H, P * S), -1, np.int64), True, np.zeros((H, 8, d), bits), np.zeros((H, 8, d), bits),
+                  table, np.zeros((H, rows, d), np.uint32), np.zeros((H, rows, d), np.uint32),
+                  np.empty(P * S, np.int64), np.empty(P * S, np.int64))
+
+
 def compile_cache() -> None:
-    """The cache's own kernels: the page-load plan, the dense decode scores (and the votes'
+    """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`), the dense decode scores (and the votes'
     scores over 16-bit host keys), token_pick's choice (the pick and the packing of the chosen
     tokens into pages) and the remapped positions' offsets and key placement."""
     from .cache.kernels import (
@@ -75,6 +98,7 @@ def compile_cache() -> None:
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 1, 10, -1)
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
+    compile_loads()
 
 
 def convert_embedded() -> None:

@@ -305,6 +305,58 @@ def test_plan_head_matches_reference():
             assert any(a[0][s] == p and a[1][s] == version[p] for s in range(P))
 
 
+@pytest.mark.parametrize("store_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("pinned_slots", [0, 3])
+def test_one_call_load_equals_the_general_path(store_dtype, pinned_slots):
+    """``ResidentKV.load`` by :func:`load_pool` (one numba call) against its general path
+    (per-head plans, torch's gather and scatter): the same slots, validity, host rows and pool
+    contents over a run of steps whose pages change, move versions and overlap pinned rows;
+    float16 stores with subnormal, infinite and NaN values widen exactly as torch's ``to``."""
+    from icecache.cache.backend import TorchBackend
+    from icecache.cache.host_store import HostStore
+    from icecache.cache.resident import ResidentKV
+
+    rng = np.random.default_rng(3)
+    H, d, S, P, npages, rows = 3, 8, 4, 9, 40, 150
+    backend = TorchBackend("cpu")
+    store = HostStore(backend, H, d, store_dtype, rows + 10)
+    keys = torch.from_numpy(rng.normal(size=(H, rows, d)).astype(np.float32))
+    if store_dtype == torch.float16:  # the extremes of float16: subnormals, infinities, NaN, -0
+        keys[0, :4, :4] = torch.tensor([3e-7, -6e-8, float("inf"), float("nan")])
+        keys[1, 0, :2] = torch.tensor([-0.0, 65504.0])
+    store.append(keys.to(store_dtype), torch.from_numpy(rng.normal(size=(H, rows, d)).astype(np.float32)).to(store_dtype))
+    tables = []
+    for _ in range(H):
+        members = rng.integers(0, rows, (npages, S)).astype(np.int32)
+        count = rng.integers(1, S + 1, npages).astype(np.int32)
+        tables.append((members, count, np.zeros(npages, np.int64)))
+    pools = [ResidentKV(backend, H, d, torch.float32, 4, S, P, 8, pinned_slots) for _ in range(2)]
+    pools[1].general_load = True
+    for r in pools:
+        r.track_rows = True
+    assert pools[0]._one_call(store) is not None
+    pin_members = rng.integers(0, rows, (3, S)).astype(np.int32)
+    pinned = (np.arange(3, dtype=np.int64), (pin_members, np.full(3, S, np.int32), np.zeros(3, np.int64)),
+              np.unique(pin_members).astype(np.int64))
+    for step in range(30):
+        for members, _count, version in tables:  # some pages change members
+            moved = rng.choice(npages, 2, replace=False)
+            version[moved] += 1
+            members[moved] = rng.integers(0, rows, (2, S))
+        selected = [rng.choice(npages, rng.integers(0, P - pinned_slots + 1), replace=False).astype(np.int32)
+                    for _ in range(H)]
+        use_pins = pinned if pinned_slots and step % 4 else None
+        got = [r.load(selected, lambda h: tables[h], store, use_pins) for r in pools]
+        assert got[0] == got[1]
+        a, b = pools
+        for name in ("slot_page", "slot_version", "slot_fill", "valid", "pool_row"):
+            np.testing.assert_array_equal(getattr(a, name), getattr(b, name), err_msg=name)
+        ok = torch.from_numpy(a.valid)
+        torch.testing.assert_close(a.keys[ok], b.keys[ok], rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(a.values[ok], b.values[ok], rtol=0, atol=0, equal_nan=True)
+    assert int(a.valid[:, a.pool_at : a.window_at].sum()) > 0
+
+
 @pytest.mark.parametrize("method", ["oracle", "oracle-qhead"])
 def test_oracle_equals_full_with_room_and_differs_without(method):
     from icecache.config import Settings

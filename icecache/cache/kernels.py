@@ -83,6 +83,79 @@ def plan_head_reference(want, slot_page, slot_version, slot_fill, version, membe
     return np.array(src, np.int64), np.array(dst, np.int64), valid, len(missing)
 
 
+# -- a decode step's page loads on the CPU in one call ----------------------------------------------
+def widening_table(dtype: str) -> np.ndarray:
+    """Every 16-bit pattern's float32 value, as its bits (65536 uint32, 256 KB: it stays in a
+    core's cache), for ``dtype`` "float16" or "bfloat16": what :func:`load_pool` widens a 16-bit
+    host store with, exactly (subnormals, infinities and NaN included)."""
+    bits = np.arange(65536, dtype=np.uint32)
+    if dtype == "bfloat16":
+        return bits << np.uint32(16)
+    return bits.astype(np.uint16).view(np.float16).astype(np.float32).view(np.uint32)
+
+
+@njit(nogil=True, cache=True)
+def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_t, counts,
+              pin_ids, pin_members, pin_count, pin_version, pin_rows, main, S, pool_at, valid,
+              pool_row, track, store_k, store_v, table, pool_k, pool_v, src, dst):
+    """``ResidentKV.load`` on the CPU in one call (its reference is that method's general path:
+    :func:`plan_head` per head, then one gather and one scatter through torch).
+
+    Per KV head h: :func:`plan_head` for the ``want[h, :wlen[h]]`` pages in the first ``main``
+    slots (page table ``members_t[h]``, ``counts[h]``, ``versions[h]``), then for the pinned pages
+    ``pin_ids`` (table ``pin_members``/``pin_count``/``pin_version``, the same for every head) in
+    the slots after them; each row to load goes from the host store (``store_k``/``store_v``
+    (H, capacity, d), as bits: float32 as uint32, copied; 16-bit floats as uint16, read through
+    ``table``, their :func:`widening_table`, empty for float32) straight into ``pool_k``/``pool_v``
+    (H, rows, d), float32 as uint32 bits, at row ``pool_at + slot * S + t``. ``pool_row`` (H, P * S) gets the loaded rows' host rows
+    when ``track``; a main-slot row whose host row is one of the sorted ``pin_rows`` is made
+    invalid (a pinned passage holds it). ``src``/``dst``: scratch of at least the rows one head
+    may load. Returns (rows copied, pages loaded)."""
+    H = want.shape[0]
+    P = slot_page.shape[1]
+    d = pool_k.shape[2]
+    copied = loaded = 0
+    npin = pin_rows.shape[0]
+    for h in range(H):
+        hv = valid[h, pool_at : pool_at + P * S]
+        m, got = plan_head(want[h, : wlen[h]], slot_page[h, :main], slot_version[h, :main],
+                           slot_fill[h, :main], versions[h], members_t[h], counts[h], 0, 0, S,
+                           hv[: main * S], src, dst, 0)
+        loaded += got
+        if P > main:
+            m, got = plan_head(pin_ids, slot_page[h, main:], slot_version[h, main:], slot_fill[h, main:],
+                               pin_version, pin_members, pin_count, 0, main * S, S, hv[main * S :],
+                               src, dst, m)
+            loaded += got
+        for i in range(m):
+            r, t = src[i], pool_at + dst[i]
+            if track:
+                pool_row[h, dst[i]] = r
+            if table.shape[0]:
+                for j in range(d):
+                    pool_k[h, t, j] = table[store_k[h, r, j]]
+                    pool_v[h, t, j] = table[store_v[h, r, j]]
+            else:
+                for j in range(d):
+                    pool_k[h, t, j] = store_k[h, r, j]
+                    pool_v[h, t, j] = store_v[h, r, j]
+        copied += m
+        if npin:  # a selected row that a pinned page holds too is attended once
+            for i in range(main * S):
+                if hv[i]:
+                    x = pool_row[h, i]
+                    lo, hi = 0, npin
+                    while lo < hi:
+                        mid = (lo + hi) // 2
+                        if pin_rows[mid] < x:
+                            lo = mid + 1
+                        else:
+                            hi = mid
+                    if lo < npin and pin_rows[lo] == x:
+                        hv[i] = False
+    return copied, loaded
+
+
 # -- dense decode on CPU: the two products of one query token over a long dense cache ----------
 # torch's product of a (G, d) query group with the (n, d) keys' transpose reads the keys at about
 # 11 GB/s here (9 ms for 3 KV heads x 131k rows, not in cache), where a sum reads 27 GB/s; scoring
@@ -380,3 +453,4 @@ def place_rows(k, offset, count, sink_fill, pool_at, cos_t, sin_t, rotary):
                 out[h, i, c] = x1 * cos_t[t, c] + (-x2) * sin_t[t, c]
                 out[h, i, c + half] = x2 * cos_t[t, c + half] + x1 * sin_t[t, c + half]
     return out
+

@@ -20,7 +20,11 @@ import torch
 
 from .backend import TorchBackend
 from .host_store import HostStore
-from .kernels import plan_head
+from .kernels import load_pool, plan_head, widening_table
+
+# the host store dtypes :func:`~.kernels.load_pool` reads, with their widening tables (made
+# on first use; float32 rows are copied as they are)
+WIDENING = {torch.float32: np.empty(0, np.uint32), torch.float16: None, torch.bfloat16: None}
 
 # ``ResidentKV.load``'s pinned pages when none are chosen: (page ids, (members, count, version),
 # host rows), all empty
@@ -128,6 +132,9 @@ class ResidentKV:
         S, P = self.page_size, self.pool_pages
         main = P - self.pinned_slots
         pinned = NO_PINNED if pinned is None else pinned  # none chosen: the pinned slots are freed
+        table = self._one_call(store)
+        if table is not None and not self.general_load:
+            return self._load_one_call(selected, page_table, store, pinned, main, table)
         want_pinned = pinned[0]
         pm, pc, pv = pinned[1]
         need = (sum(len(w) for w in selected) + self.heads * len(want_pinned)) * S
@@ -161,6 +168,50 @@ class ResidentKV:
                                            self.keys.view(-1, self.head_dim),
                                            self.values.view(-1, self.head_dim), torch.from_numpy(dst[:m]))
         return loaded, moved
+
+    # ``load`` through the general path (per-head plans, then a torch gather and scatter) even
+    # where :func:`~.kernels.load_pool` applies: the reference the tests compare it with
+    general_load = False
+
+    def _one_call(self, store: HostStore) -> np.ndarray | None:
+        """:func:`~.kernels.load_pool`'s widening table for this store when it can do this pool's
+        loads (on the CPU, a float32 pool, a contiguous host store of float32, float16 or
+        bfloat16), else None."""
+        dt = store.keys.dtype
+        if (self.keys.device.type != "cpu" or self.keys.dtype != torch.float32 or dt not in WIDENING
+                or not (store.keys.is_contiguous() and store.values.is_contiguous())):
+            return None
+        if WIDENING[dt] is None:
+            WIDENING[dt] = widening_table(str(dt).removeprefix("torch."))
+        return WIDENING[dt]
+
+    def _load_one_call(self, selected, page_table, store: HostStore, pinned, main: int, table: np.ndarray):
+        """:meth:`load` by one numba call (plans, widening copies, pinned rows masked)."""
+        H, S = self.heads, self.page_size
+        lens = np.array([len(w) for w in selected], np.int64)
+        want = np.zeros((H, max(1, int(lens.max(initial=0)))), np.int64)
+        for h, w in enumerate(selected):
+            want[h, : len(w)] = w
+        tables = [page_table(h) for h in range(H)]
+        pm, pc, pv = pinned[1]
+        bits = np.uint32 if store.keys.dtype == torch.float32 else np.uint16
+        host_k, host_v = (x.numpy().view(bits) if bits is np.uint32 else x.view(torch.int16).numpy().view(bits)
+                          for x in (store.keys, store.values))
+        src, dst = self._scratch(self.pool_pages * S)
+        m, loaded = load_pool(
+            want, lens, self.slot_page, self.slot_version, self.slot_fill, tuple(t[2] for t in tables),
+            tuple(t[0] for t in tables), tuple(t[1] for t in tables), pinned[0], pm, pc, pv,
+            pinned[2].astype(np.int64, copy=False), main, S, self.pool_at, self.valid, self.pool_row,
+            self.track_rows, host_k, host_v, table, self.keys.numpy().view(np.uint32),
+            self.values.numpy().view(np.uint32), src, dst)
+        return loaded, 2 * m * self.head_dim * store.keys.element_size()
+
+    def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """Two int64 arrays of at least ``n`` rows, kept for the next step."""
+        got = getattr(self, "_rows_scratch", None)
+        if got is None or got[0].shape[0] < n:
+            got = self._rows_scratch = (np.empty(n, np.int64), np.empty(n, np.int64))
+        return got
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values (heads, rows, d) and the validity mask (heads, rows), on the device."""
