@@ -116,6 +116,37 @@ def test_a_killed_eval_resumes_mid_cell_from_its_finished_cases(loaded, cpu_sett
     assert "(from" in logs[0] and all("(from" not in x for x in logs[1:]) and len(logs) == 3
 
 
+def test_cells_of_one_task_and_length_run_case_by_case(loaded, cpu_settings, monkeypatch):
+    """The pending cells of a task and length (other methods, other budgets) are computed case by
+    case with the first: one shared prefill per case, dropped before the next (an eval's memory
+    does not grow with its cases), and every cell's scores as it gets on its own."""
+    import gc
+
+    from icecache.generation import Prefilled
+
+    cells = [runner.Cell("passkey", "full", 0, 400), runner.Cell("passkey", "ice", 32, 400),
+             runner.Cell("passkey", "ice", 64, 400)]
+    made, held = [], []
+    plain = runner.prefill_once
+
+    def counted(*args, **kwargs):
+        held.append(sum(isinstance(o, Prefilled) for o in gc.get_objects()))  # before this case's
+        made.append(plain(*args, **kwargs))
+        return made.pop()  # the runner's reference only
+
+    monkeypatch.setattr(runner, "prefill_once", counted)
+    logs = []
+    ev = runner.Evaluator(loaded, cpu_settings, 3, 0, log=logs.append)
+    rows = [ev.run(c, cells[i + 1 :]) for i, c in enumerate(cells)]
+    assert len(held) == 3  # one prefill per case, for the three cells
+    assert held[1:] == held[:1] * 2  # none kept from the case before
+    assert len(logs) == 3 and all(x.count("(") == 3 for x in logs)  # each line scores the three cells
+    monkeypatch.setattr(runner, "prefill_once", plain)
+    for c, row in zip(cells, rows, strict=True):
+        alone = runner.Evaluator(loaded, cpu_settings, 3, 0).run(c)
+        assert row["detail"] == alone["detail"] and row["n"] == 3
+
+
 def test_a_resumed_sparse_group_keeps_every_budgets_new_cases(loaded, cpu_settings, tmp_path):
     """Sibling budgets decode from one sparse prefill per case. After an interrupted run in which
     one budget has a case the other lacks, a case computed for both is kept for both (it was

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from .. import methods as methods_
 from ..errors import UsageError
-from ..generation import Prefilled, Session, prefill_once
+from ..generation import Session, prefill_once
 from ..prompts import qa_messages, render, summarize_messages
 from ..textgen import generated_text
 from ..variants import base_method
@@ -80,8 +80,6 @@ class Evaluator:
         self.new_tokens = new_tokens
         self.log = log
         self._refs: dict[int, list] = {}
-        self._group: tuple | None = None
-        self._pre: dict[int, Prefilled] = {}
         self._siblings: list[Cell] = []
         self._ahead: dict[tuple, dict] = {}  # rows computed with an earlier cell's group
 
@@ -91,8 +89,8 @@ class Evaluator:
         return s if cell.budget == 0 else s.replace(budget=cell.budget)
 
     def run(self, cell: Cell, siblings: list[Cell] | tuple = ()) -> dict:
-        """Score ``cell``. ``siblings``: cells still to run; those of the same task, method and
-        length may be computed now from the same prefills (then returned when asked for)."""
+        """Score ``cell``. ``siblings``: cells still to run; those of the same task and length
+        may be computed now, case by case with it (then returned when asked for)."""
         ahead = self._ahead.pop(cell.key(), None)
         if ahead is not None:
             return ahead
@@ -138,30 +136,20 @@ class Evaluator:
         cases = ruler.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed, self.depths)
         return self._generated(cell, cases, NEW_TOKENS[cell.task], lambda out, c: ruler.score(out, c.expected))
 
-    def _prefilled(self, cell: Cell, i: int, ids: list[int], new_tokens: int) -> Prefilled:
-        """Case ``i``'s prompt prefilled once for every method and budget of its task and length.
-
-        Cells run task by task, length by length, so only the current group's prefills are kept.
-        """
-        group = (cell.task, cell.length, self.seed, self.n)
-        if self._group != group:
-            self._group, self._pre = group, {}
-        pre = self._pre.get(i)
-        if pre is None or pre.ids != ids:
-            pre = self._pre[i] = prefill_once(self.loaded, self.settings, ids, new_tokens=new_tokens)
-        return pre
-
     def _generated(self, cell: Cell, cases, new_tokens: int, score) -> dict:
-        """Each case's prompt, from its shared prefill, decoded by the cell's method; scored.
+        """Each case's prompt decoded by the cell's method; scored.
 
-        Under a sparse prefill (each method's own), the pending cells of the same task, method
-        and length with other budgets (:meth:`run`'s ``siblings``) decode from copies of one
-        prefill per case where that is exact and fits in memory (:meth:`Session.fork`); their
-        rows are kept for when they are asked for.
+        The pending cells of the same task and length (:meth:`run`'s ``siblings``: other methods
+        and budgets) are computed case by case with it, and their rows kept for when they are
+        asked for. A case's prompt is prefilled once (:func:`prefill_once`) for every cell that
+        decodes from a shared full prefill, and once per method (its own sparse prefill) for the
+        others, whose budgets decode from copies of it where that is exact and fits in memory
+        (:meth:`Session.fork`). Only the current case's prefill is held: memory does not grow
+        with the number of cases.
         """
         tok = self.loaded.tokenizer
         group = [cell] + [c for c in self._siblings
-                          if c.key() != cell.key() and (c.task, c.method, c.length) == (cell.task, cell.method, cell.length)]
+                          if c.key() != cell.key() and (c.task, c.length) == (cell.task, cell.length)]
         # per cell, case index -> score: a sibling may have cases an earlier run made that this
         # cell lacks, and the other way round (each keeps what it has; the group computes the rest)
         scores: dict[tuple, dict[int, float]] = {c.key(): {} for c in group}
@@ -173,19 +161,27 @@ class Evaluator:
                 self.log(f"  case {i + 1}/{len(cases)}: {scores[cell.key()][i]:g} (from {self.out})")
                 continue
             ids = tok(case.prompt)["input_ids"]
-            settings = self._settings(cell)
-            if methods_.prefill_mode(cell.base, self.loaded.model, settings, len(ids)) == "sparse":
-                outs = self._sparse_group([c for c in group if i not in scores[c.key()]], ids, new_tokens)
-            else:
-                session = Session(self.loaded, settings, cell.base)
-                outs = {cell.key(): session.generate_from(self._prefilled(cell, i, ids, new_tokens), new_tokens)[0]}
+            todo = [c for c in group if i not in scores[c.key()]]
+            sparse = [c for c in todo if methods_.prefill_mode(
+                c.base, self.loaded.model, self._settings(c), len(ids)) == "sparse"]
+            shared = [c for c in todo if c not in sparse]
+            outs: dict[tuple, list[int]] = {}
+            if shared:
+                pre = prefill_once(self.loaded, self.settings, ids, new_tokens=new_tokens)
+                for c in shared:
+                    outs[c.key()] = Session(self.loaded, self._settings(c), c.base).generate_from(pre, new_tokens)[0]
+                del pre
+            for method in dict.fromkeys(c.method for c in sparse):
+                outs.update(self._sparse_group([c for c in sparse if c.method == method], ids, new_tokens))
             for key, out in outs.items():
                 text = tok.decode(out)
                 scores[key][i] = self._cases[(key, i)] = score(text, case)
                 append_case(self.out, key, i, scores[key][i], text, _expected(case))
+            done = [c for c in todo if c.key() in outs]
+            one_method = len({c.method for c in done}) == 1
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
-                f"{scores[c.key()][i]:g}" + (f" (budget {c.budget})" if len(outs) > 1 else "")
-                for c in group if c.key() in outs))
+                f"{scores[c.key()][i]:g}" + _label(c, one_method) for c in done) if len(done) > 1
+                else f"  case {i + 1}/{len(cases)}: {scores[cell.key()][i]:g}")
         rows = {}
         for c in group:
             if len(scores[c.key()]) != len(cases):
@@ -239,6 +235,13 @@ class Evaluator:
             f = fidelity.measure(self.loaded, self._settings(cell), cell.base, ref)
             agree, total, kl = agree + f.agree, total + f.total, kl + f.kl_sum
         return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
+
+
+def _label(cell: Cell, one_method: bool) -> str:
+    """How a progress line names a cell among those computed for one case."""
+    if one_method:
+        return f" (budget {cell.budget})" if cell.budget else ""
+    return f" ({cell.method}" + (f" budget {cell.budget})" if cell.budget else ")")
 
 
 # What a finished cell's score depends on besides its own (task, method, budget, length).
