@@ -66,9 +66,10 @@ def compile_loads(kv_heads=KV_HEADS) -> None:
 
 
 def compile_cache() -> None:
-    """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`), the dense decode scores (and the votes'
-    scores over 16-bit host keys), token_pick's choice (the pick and the packing of the chosen
-    tokens into pages) and the remapped positions' offsets and key placement."""
+    """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
+    the dense decode scores (and the votes' scores over 16-bit host keys), token_pick's choice
+    (the pick and the packing of the chosen tokens into pages) and the remapped positions'
+    offsets and key placement."""
     from .cache.kernels import (
         choose_tokens,
         dense_scores,

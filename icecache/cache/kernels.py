@@ -107,9 +107,9 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
     the slots after them; each row to load goes from the host store (``store_k``/``store_v``
     (H, capacity, d), as bits: float32 as uint32, copied; 16-bit floats as uint16, read through
     ``table``, their :func:`widening_table`, empty for float32) straight into ``pool_k``/``pool_v``
-    (H, rows, d), float32 as uint32 bits, at row ``pool_at + slot * S + t``. ``pool_row`` (H, P * S) gets the loaded rows' host rows
-    when ``track``; a main-slot row whose host row is one of the sorted ``pin_rows`` is made
-    invalid (a pinned passage holds it). ``src``/``dst``: scratch of at least the rows one head
+    (H, rows, d), float32 as uint32 bits, at row ``pool_at + slot * S + t``. ``pool_row``
+    (H, P * S) gets the loaded rows' host rows when ``track``; a main-slot row whose host row is
+    one of the sorted ``pin_rows`` is made invalid (a pinned passage holds it). ``src``/``dst``: scratch of at least the rows one head
     may load. Returns (rows copied, pages loaded)."""
     H = want.shape[0]
     P = slot_page.shape[1]
@@ -140,18 +140,11 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
                     pool_k[h, t, j] = store_k[h, r, j]
                     pool_v[h, t, j] = store_v[h, r, j]
         copied += m
-        if npin:  # a selected row that a pinned page holds too is attended once
+        if npin:  # a selected row that a pinned page holds too is attended once (resident.sorted_member)
             for i in range(main * S):
                 if hv[i]:
-                    x = pool_row[h, i]
-                    lo, hi = 0, npin
-                    while lo < hi:
-                        mid = (lo + hi) // 2
-                        if pin_rows[mid] < x:
-                            lo = mid + 1
-                        else:
-                            hi = mid
-                    if lo < npin and pin_rows[lo] == x:
+                    at = min(np.searchsorted(pin_rows, pool_row[h, i]), npin - 1)
+                    if pin_rows[at] == pool_row[h, i]:
                         hv[i] = False
     return copied, loaded
 
@@ -453,4 +446,3 @@ def place_rows(k, offset, count, sink_fill, pool_at, cos_t, sin_t, rotary):
                 out[h, i, c] = x1 * cos_t[t, c] + (-x2) * sin_t[t, c]
                 out[h, i, c + half] = x2 * cos_t[t, c + half] + x1 * sin_t[t, c + half]
     return out
-

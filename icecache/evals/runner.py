@@ -177,11 +177,10 @@ class Evaluator:
                 text = tok.decode(out)
                 scores[key][i] = self._cases[(key, i)] = score(text, case)
                 append_case(self.out, key, i, scores[key][i], text, _expected(case))
-            done = [c for c in todo if c.key() in outs]
+            done = [c for c in todo if c.key() in outs]  # the cell itself first
             one_method = len({c.method for c in done}) == 1
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
-                f"{scores[c.key()][i]:g}" + _label(c, one_method) for c in done) if len(done) > 1
-                else f"  case {i + 1}/{len(cases)}: {scores[cell.key()][i]:g}")
+                f"{scores[c.key()][i]:g}" + (_label(c, one_method) if len(done) > 1 else "") for c in done))
         rows = {}
         for c in group:
             if len(scores[c.key()]) != len(cases):
