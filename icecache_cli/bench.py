@@ -11,6 +11,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from icecache.bench import llama_cpp
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
 from icecache.variants import parse_methods
@@ -31,7 +32,7 @@ bench_app = typer.Typer(
 def bench_main(
     context: typer.Context,
     ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
-    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present).")] = "full,dense,ice,ice-reuse,quest",
+    methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present). llama.cpp: the same GGUF and tokens through llama-cpp-python, when it is installed.")] = "full,dense,ice,ice-reuse,quest",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps, or the profile's answer_search if more: an answer's first tokens search every key).")] = 16,
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
@@ -56,9 +57,11 @@ def bench_main(
         if ctx is None:
             raise UsageError("--ctx: give the context lengths to measure, e.g. --ctx 8k,32k (or a subcommand, see --help)")
         sizes = [parse_size(x) for x in ctx.split(",") if x.strip()]
-        method_list = [check_method(m.strip()) for m in methods.split(",") if m.strip()]
+        method_list = [m.strip() if m.strip() == llama_cpp.NAME else check_method(m.strip())
+                       for m in methods.split(",") if m.strip()]
         if not method_list:
             raise UsageError("--methods: give at least one method")
+        gguf = check_llama_cpp(opts.model) if llama_cpp.NAME in method_list else None
         settings = resolve_settings(opts.profile, budget=opts.budget, weights=opts.weights)
         position_list = parse_positions(positions, settings)
         limit = parse_size(full_prefill_max)
@@ -101,17 +104,44 @@ def bench_main(
                 rows = full_bench.run_ctx(loaded, settings.replace(positions=pos), method_list, n, steps=steps,
                                           full_prefill_max=limit, max_seconds=max_seconds, log=log,
                                           on_progress=lambda ph, d, t: rep.progress(ph, d, t) if ph == "prefill" else None,
-                                          on_step=on_step, on_row=on_row)
+                                          on_step=on_step, on_row=on_row, gguf=gguf)
                 rep.close()
                 results.extend(r.as_dict() for r in rows)
                 by_positions[pos] = rows
                 if not quiet:
                     print_bench_table(rows, n, f"positions {pos}" if len(position_list) > 1 else "")
+            if not quiet and llama_cpp.NAME in method_list:
+                for line in llama_cpp_lines(results, n):
+                    stderr.print(line, markup=False)
             if not quiet and len(position_list) > 1:
                 for line in positions_ratios(by_positions):
                     stderr.print(line, markup=False)
         if as_json:
             emit(json.dumps({"results": results}))
+
+
+def check_llama_cpp(model: str | None) -> Path:
+    """``--methods ...,llama.cpp``: the GGUF file it runs; a one-line error when llama-cpp-python
+    is not installed or the model is not a GGUF file."""
+    why = llama_cpp.missing()
+    if why is not None:
+        raise UsageError(f"--methods {llama_cpp.NAME}: {why}")
+    gguf = llama_cpp.gguf_of(model)
+    if gguf is None:
+        raise UsageError(f"--methods {llama_cpp.NAME}: llama.cpp reads GGUF files only; "
+                         "give --model a .gguf file (or leave it out: the embedded model is one)")
+    return gguf
+
+
+def llama_cpp_lines(results: list[dict], n: int) -> list[str]:
+    """Each method's TPOT against llama.cpp's at ``n`` tokens, one line each."""
+    rows = [r for r in results if r["ctx"] == n and r["status"] == "ok"]
+    ref = next((r for r in rows if r["method"] == llama_cpp.NAME), None)
+    if ref is None:
+        return []
+    return [f"{r['method']} at {n} tokens vs llama.cpp: TPOT {r['tpot_ms']:.1f} vs {ref['tpot_ms']:.1f} ms "
+            f"({ref['tpot_ms'] / r['tpot_ms']:.2f}x llama.cpp's speed), prefill {r['prefill_tok_s']:.0f} vs "
+            f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != llama_cpp.NAME]
 
 
 def parse_positions(text: str | None, settings) -> list[str]:
@@ -216,7 +246,12 @@ def index(
     layers: Annotated[str, typer.Option("--layers", help="Layers to capture (>= 2).")] = "2,15,29",
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
-    beam: Annotated[int, typer.Option("--beam", min=1, help="Nodes expanded per level in a query.")] = 48,
+    beam: Annotated[str | None, typer.Option("--beam", help="Nodes expanded per level in a query, or several "
+                                             "comma-separated (same keys). Default: the cpu profile's index_beam.",
+                                             show_default=False)] = None,
+    beam_frac: Annotated[float | None, typer.Option("--beam-frac", min=0.0, max=0.999, help="...or this share of "
+                                                    "the keys if more. Default: the cpu profile's index_beam_frac.",
+                                                    show_default=False)] = None,
     pages: Annotated[str, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
                                        "projection, similar, or both comma-separated (same keys).")] = "projection",
     merge: Annotated[str, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
@@ -257,8 +292,11 @@ def index(
         refines = parse_whole_numbers(refine, "--refine", lambda r: 0 <= r <= 10, "from 0 to 10")
         picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
                                                      "0 or from 2 to 16") if m)
-        configs = [IndexConfig(page_size=settings.page_size, beam=beam, pages=p, merge=m, refine=r)
-                   for p in modes for m in merges for r in refines]
+        beams = (parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None
+                 else [settings.index_beam])
+        frac = settings.index_beam_frac if beam_frac is None else beam_frac
+        configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r)
+                   for b in beams for p in modes for m in merges for r in refines]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
@@ -267,8 +305,8 @@ def index(
             for cfg in configs:
                 res = IndexBenchResult(keys=n, budgets=budget_list)
                 for layer in layer_ids:
-                    rep.info(f"measuring layer {layer} ({cfg.pages} pages, {cfg.merge} merge, "
-                             f"refine {cfg.refine})")
+                    rep.info(f"measuring layer {layer} (beam {cfg.beam}, beam_frac {cfg.beam_frac:g}, {cfg.pages} "
+                             f"pages, {cfg.merge} merge, refine {cfg.refine})")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
                               settings.sink_pages, settings.window_pages, cfg, picks)
                 summary = res.summary()
@@ -281,8 +319,8 @@ def index(
 
 
 def print_table(s: dict) -> None:
-    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, "
-                f"{s['config']['pages']} pages, {s['config']['merge']} merge, "
+    t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, beam {s['config']['beam']} "
+                f"(beam_frac {s['config']['beam_frac']:g}), {s['config']['pages']} pages, {s['config']['merge']} merge, "
                 f"refine {s['config']['refine']}", box=None)
     # one row per selection, one column per budget: the table stays narrow as methods are added
     t.add_column("attention mass")

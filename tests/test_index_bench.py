@@ -107,3 +107,28 @@ def test_kmeans_lowers_its_objective_and_oracle_pages_rank_by_best_member():
     page_of = np.array([0, 0, 1, 1, 2, 2])
     scores = np.array([1.0, 5.0, 4.0, 4.5, -1.0, 6.0])
     assert g.oracle_pages(page_of, scores, 2).tolist() == [2, 0]
+
+
+def test_index_command_measures_each_beam_on_the_same_keys():
+    """`bench index --beam A,B`: one summary per beam, the beam share from the cpu profile unless
+    --beam-frac says otherwise (the profile's fixed beam is what a decode step walks)."""
+    import json
+
+    from icecache.config import resolve_settings
+
+    from .conftest import run_cli
+
+    args = ["bench", "index", "--keys", "512", "--layers", "2,10", "--queries", "2", "--budgets", "64",
+            "--pick", "0", "--json"]
+    r = run_cli([*args, "--beam", "8,16"])
+    assert r.returncode == 0, r.stderr.decode()
+    docs = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
+    frac = resolve_settings("cpu").index_beam_frac
+    assert [(d["config"]["beam"], d["config"]["beam_frac"]) for d in docs] == [(8, frac), (16, frac)]
+    assert all(d["keys"] == 512 and 0 < d["recall_at_64"] <= 1 for d in docs)
+    r = run_cli([*args, "--beam-frac", "0.5"])
+    assert r.returncode == 0, r.stderr.decode()
+    (doc,) = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
+    assert doc["config"]["beam"] == resolve_settings("cpu").index_beam and doc["config"]["beam_frac"] == 0.5
+    bad = run_cli([*args, "--beam", "0"])
+    assert bad.returncode == 2 and "--beam: each value must be 1 or more" in bad.stderr.decode()

@@ -24,12 +24,14 @@ from __future__ import annotations
 import gc
 import time
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..generation import Prefilled, Session, prefill_once
 from ..measure import PeakRss, kv_bytes
-from ..memory import available_bytes, need_bytes, shortfall
+from ..memory import Need, available_bytes, need_bytes, shortfall
+from . import llama_cpp
 from .decode_bench import context_ids, time_decode
 from .warm import ensure_warm
 
@@ -53,6 +55,7 @@ class BenchRow:
     breakdown_ms: dict = field(default_factory=dict)
     tpot_ratio_vs_full: float | None = None
     tpot_ratio_vs_dense: float | None = None
+    tpot_ratio_vs_llama_cpp: float | None = None  # llama.cpp's TPOT over this row's (> 1: faster)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -100,11 +103,11 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
 
 
 def _ratios(row: BenchRow, rows: list[BenchRow]) -> BenchRow:
-    """``row``'s TPOT ratios to full's and dense's rows measured so far."""
-    for base in ("full", "dense"):
+    """``row``'s TPOT ratios to full's, dense's and llama.cpp's rows measured so far."""
+    for base, field_name in (("full", "full"), ("dense", "dense"), (llama_cpp.NAME, "llama_cpp")):
         ref = next((r for r in rows if r.method == base and r.status == "ok"), None)
         if row.status == "ok" and ref is not None:
-            setattr(row, f"tpot_ratio_vs_{base}", ref.tpot_ms / row.tpot_ms)
+            setattr(row, f"tpot_ratio_vs_{field_name}", ref.tpot_ms / row.tpot_ms)
     return row
 
 
@@ -127,8 +130,12 @@ def _shared_prefill_skip(loaded, settings, ctx: int, full: bool) -> str | None:
 
 def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, warmup: int = 2,
             full_prefill_max: int = 32768, max_seconds: float | None = None,
-            log=lambda _m: None, on_progress=None, on_step=None, on_row=None) -> list[BenchRow]:
-    ensure_warm(loaded, settings, methods, sparse=ctx > full_prefill_max)
+            log=lambda _m: None, on_progress=None, on_step=None, on_row=None,
+            gguf: Path | None = None) -> list[BenchRow]:
+    """The rows of ``methods`` at ``ctx`` tokens. ``llama.cpp`` among them (:mod:`.llama_cpp`)
+    runs the GGUF file ``gguf`` over the same token ids, after the icecache methods."""
+    ours = [m for m in methods if m != llama_cpp.NAME]
+    ensure_warm(loaded, settings, ours, sparse=ctx > full_prefill_max)
     ids = context_ids(loaded.tokenizer, ctx)
     rows: list[BenchRow] = []
 
@@ -136,12 +143,55 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         if on_row is not None:
             on_row(_ratios(row, rows))
 
+    if ours:
+        _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
+                  log, on_progress, on_step, rows, emit)
+    if llama_cpp.NAME in methods:
+        rows.append(_run_llama(loaded, settings, ids, steps, warmup, gguf, log, on_progress))
+        emit(rows[-1])
+    for r in rows:
+        _ratios(r, rows)
+    order = {m: i for i, m in enumerate(methods)}
+    return sorted(rows, key=lambda r: order[r.method])
+
+
+def _run_llama(loaded, settings, ids: list[int], steps: int, warmup: int, gguf: Path | None,
+               log, on_progress) -> BenchRow:
+    """The llama.cpp row: its own prefill of ``ids`` and its greedy decode steps."""
+    ctx = len(ids)
+    row = BenchRow(llama_cpp.NAME, ctx, kv_source="own prefill (llama.cpp)")
+    why = llama_cpp.missing() or (None if gguf is not None else "llama.cpp reads GGUF files only")
+    n_ctx = ctx + warmup + steps + 1
+    need = llama_cpp.kv_cache_bytes(loaded.model.config, n_ctx)
+    short = why or shortfall(Need(device=0, host=need), available_bytes(settings))
+    if short is not None:
+        row.status, row.reason = "skipped", short
+        log(f"llama.cpp at {ctx} tokens: skipped, {short}")
+        return row
+    log(f"llama.cpp at {ctx} tokens: prefill and decoding ...")
+    progress = (lambda d, t: on_progress("prefill", d, t)) if on_progress else None
+    with PeakRss() as peak:
+        t = llama_cpp.run(gguf, ids, steps, warmup, torch.get_num_threads(), progress)
+    row.prefill_tok_s = ctx / t.prefill_s
+    row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = t.tt2t_s, t.tpot_ms, t.tpot_p90_ms
+    row.device_kv_bytes = row.peak_device_bytes = need
+    row.peak_rss_bytes = peak.peak
+    return row
+
+
+def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, warmup: int,
+              full_prefill_max: int, max_seconds: float | None, log, on_progress, on_step,
+              rows: list[BenchRow], emit) -> None:
+    """The icecache methods' rows (see the module's docstring), appended to ``rows`` and each
+    given to ``emit`` as soon as it is measured."""
+    ctx = len(ids)
+
     shared_need = _shared_prefill_skip(loaded, settings, ctx, ctx <= full_prefill_max)
     if shared_need is not None:  # the prefill every method starts from cannot fit
-        rows = [BenchRow(m, ctx, status="skipped", reason=shared_need) for m in methods]
-        for r in rows:
-            emit(r)
-        return rows
+        for m in methods:
+            rows.append(BenchRow(m, ctx, status="skipped", reason=shared_need))
+            emit(rows[-1])
+        return
     if ctx <= full_prefill_max:
         log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
         pre = prefill_once(loaded, settings, ids, on_progress=on_progress)
@@ -194,7 +244,3 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         del session
         release_current_cache()
         gc.collect()
-    for r in rows:
-        _ratios(r, rows)
-    order = {m: i for i, m in enumerate(methods)}
-    return sorted(rows, key=lambda r: order[r.method])

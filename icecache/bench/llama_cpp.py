@@ -1,0 +1,112 @@
+"""llama.cpp as a row of ``icecache bench`` (``--methods ...,llama.cpp``): the same GGUF file and
+the same prompt tokens through llama-cpp-python, timed in the same run as the icecache methods.
+
+llama-cpp-python is not a dependency. Where it is installed, the row runs llama.cpp's own
+prefill of the context's token ids (the GGUF's vocabulary, which the converted model shares),
+then greedy decode steps one token at a time with the same warm-up and the same count of timed
+steps as the other methods, with as many threads as torch uses. Reported: the time to the second
+token (prefill + first step), prefill tokens/s, TPOT (median and p90), peak RSS, and llama.cpp's
+KV cache size for its context (float16 keys and values in every layer: its default cache type).
+"""
+
+from __future__ import annotations
+
+import importlib
+import time
+from pathlib import Path
+
+import numpy as np
+
+NAME = "llama.cpp"
+CHUNK = 2048  # prompt tokens per eval call (progress between them; llama.cpp batches within)
+
+
+def missing() -> str | None:
+    """Why llama.cpp cannot be timed here (its Python package is not installed), or None."""
+    try:
+        importlib.import_module("llama_cpp")
+    except ImportError:
+        return ("the llama.cpp row needs llama-cpp-python, which icecache does not install "
+                "(pip install llama-cpp-python)")
+    return None
+
+
+def gguf_of(spec: str | None) -> Path | None:
+    """The GGUF file a ``--model`` value names (the embedded model's own file when none), or
+    None for a model folder or an HF id (llama.cpp reads GGUF only)."""
+    from ..models import embedded_gguf_path
+
+    if spec in (None, "", "embedded"):
+        return embedded_gguf_path()
+    path = Path(spec).expanduser()
+    return path if spec.endswith(".gguf") and path.is_file() else None
+
+
+def kv_cache_bytes(config, n_ctx: int) -> int:
+    """llama.cpp's KV cache for ``n_ctx`` positions: float16 keys and values of every layer."""
+    heads = config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return 2 * 2 * config.num_hidden_layers * heads * head_dim * n_ctx
+
+
+class Timing:
+    """What one llama.cpp run measured (seconds)."""
+
+    def __init__(self, prefill_s: float, tt2t_s: float, times: list[float], tokens: list[int]):
+        self.prefill_s, self.tt2t_s, self.times, self.tokens = prefill_s, tt2t_s, times, tokens
+
+    @property
+    def tpot_ms(self) -> float:
+        return 1000 * float(np.median(self.times))
+
+    @property
+    def tpot_p90_ms(self) -> float:
+        return 1000 * float(np.percentile(self.times, 90))
+
+
+def time_llama(llm, logits_of, ids: list[int], steps: int, warmup: int, on_progress=None) -> Timing:
+    """Prefill ``ids`` into ``llm`` (``eval`` in chunks of :data:`CHUNK`), then ``warmup`` untimed
+    and ``steps`` timed greedy steps; ``logits_of(llm)`` -> the last evaluated token's logits.
+    The time to the second token is the prefill plus the first step."""
+    t0 = time.perf_counter()
+    for at in range(0, len(ids), CHUNK):
+        llm.eval(ids[at : at + CHUNK])
+        if on_progress is not None:
+            on_progress(min(at + CHUNK, len(ids)), len(ids))
+    prefill_s = time.perf_counter() - t0
+    token = int(np.argmax(logits_of(llm)))
+    times, fed, tt2t = [], [], float("nan")
+    for i in range(warmup + steps):
+        fed.append(token)
+        t = time.perf_counter()
+        llm.eval([token])
+        token = int(np.argmax(logits_of(llm)))
+        dt = time.perf_counter() - t
+        if i == 0:
+            tt2t = prefill_s + dt
+        if i >= warmup:
+            times.append(dt)
+    return Timing(prefill_s, tt2t, times, fed)
+
+
+def last_logits(llm) -> np.ndarray:
+    """The logits of the last token ``llm.eval`` evaluated (llama.cpp keeps them for the batch's
+    last token when ``logits_all`` is off)."""
+    import llama_cpp
+
+    ptr = llama_cpp.llama_get_logits_ith(llm.ctx, -1)
+    return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
+
+
+def run(gguf: Path, ids: list[int], steps: int, warmup: int, threads: int, on_progress=None) -> Timing:
+    """One llama.cpp run of the GGUF file over ``ids`` (see :func:`time_llama`); its context holds
+    the prompt and every decode step."""
+    import llama_cpp
+
+    llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + warmup + steps + 1, n_threads=threads,
+                          n_threads_batch=threads, logits_all=False, verbose=False)
+    try:
+        return time_llama(llm, last_logits, ids, steps, warmup, on_progress)
+    finally:
+        if hasattr(llm, "close"):  # frees its context and KV cache now, not at garbage collection
+            llm.close()

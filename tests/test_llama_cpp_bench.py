@@ -1,0 +1,131 @@
+"""The llama.cpp row of ``icecache bench`` (llama-cpp-python is optional: a stand-in plays it,
+and one test runs the real one where it is installed)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from icecache.bench import llama_cpp
+
+VOCAB = 50
+
+
+class FakeLlama:
+    """Records what it is fed; its logits after a token t point at (3 t + 1) mod VOCAB."""
+
+    def __init__(self):
+        self.fed: list[list[int]] = []
+
+    def eval(self, tokens):
+        self.fed.append(list(tokens))
+
+    def logits(self) -> np.ndarray:
+        out = np.zeros(VOCAB, np.float32)
+        out[(3 * self.fed[-1][-1] + 1) % VOCAB] = 1.0
+        return out
+
+
+def test_the_prompt_goes_in_chunks_then_greedy_steps_are_timed():
+    llm = FakeLlama()
+    ids = [i % VOCAB for i in range(2 * llama_cpp.CHUNK + 5)]
+    seen = []
+    t = llama_cpp.time_llama(llm, FakeLlama.logits, ids, steps=4, warmup=2,
+                             on_progress=lambda d, n: seen.append((d, n)))
+    C = llama_cpp.CHUNK
+    assert llm.fed[:3] == [ids[:C], ids[C : 2 * C], ids[2 * C :]]
+    assert seen == [(C, len(ids)), (2 * C, len(ids)), (len(ids), len(ids))]
+    # each step feeds the greedy token of the logits before it
+    expect, tok = [], (3 * ids[-1] + 1) % VOCAB
+    for _ in range(6):
+        expect.append(tok)
+        tok = (3 * tok + 1) % VOCAB
+    assert [f for f in llm.fed[3:]] == [[x] for x in expect] and t.tokens == expect
+    assert len(t.times) == 4 and all(x > 0 for x in t.times)
+    assert t.tt2t_s > t.prefill_s > 0
+    assert t.tpot_p90_ms >= t.tpot_ms > 0
+
+
+def test_kv_cache_bytes_are_float16_keys_and_values_of_every_layer(loaded):
+    cfg = loaded.model.config  # SmolLM2-135M: 30 layers, 3 KV heads of 64
+    assert llama_cpp.kv_cache_bytes(cfg, 1000) == 2 * 2 * 30 * 3 * 64 * 1000
+
+
+def test_bench_row_beside_the_icecache_methods(loaded, cpu_settings, monkeypatch):
+    """``run_ctx`` with llama.cpp: its row after the others, its own prefill, the ratios of every
+    row to it; a skipped row (with the reason) when the package is missing."""
+    from icecache.bench import full_bench
+
+    calls = []
+
+    def fake_run(gguf, ids, steps, warmup, threads, on_progress=None):
+        calls.append((gguf, list(ids), steps, warmup, threads))
+        return llama_cpp.time_llama(FakeLlama(), FakeLlama.logits, [i % VOCAB for i in ids], steps, warmup,
+                                    on_progress)
+
+    monkeypatch.setattr(llama_cpp, "run", fake_run)
+    monkeypatch.setattr(llama_cpp, "missing", lambda: None)
+    settings = cpu_settings.replace(budget=64)
+    seen = []
+    rows = full_bench.run_ctx(loaded, settings, ["llama.cpp", "full"], 300, steps=2, warmup=1,
+                              on_row=lambda r: seen.append(r.method), gguf=llama_cpp.gguf_of(None))
+    assert seen == ["full", "llama.cpp"] and [r.method for r in rows] == ["llama.cpp", "full"]
+    lc, full = rows
+    assert lc.status == "ok" and lc.kv_source == "own prefill (llama.cpp)"
+    assert calls[0][0].name.endswith(".gguf") and len(calls[0][1]) == 300 and calls[0][2:4] == (2, 1)
+    assert lc.prefill_tok_s > 0 and lc.tpot_ms > 0 and lc.peak_rss_bytes > 0
+    assert lc.device_kv_bytes == llama_cpp.kv_cache_bytes(loaded.model.config, 300 + 1 + 2 + 1)
+    assert full.tpot_ratio_vs_llama_cpp == pytest.approx(lc.tpot_ms / full.tpot_ms)
+    assert lc.tpot_ratio_vs_full == pytest.approx(full.tpot_ms / lc.tpot_ms)
+
+    monkeypatch.setattr(llama_cpp, "missing", lambda: "no llama-cpp-python here")
+    rows = full_bench.run_ctx(loaded, settings, ["llama.cpp"], 300, steps=1, warmup=1, gguf=llama_cpp.gguf_of(None))
+    assert rows[0].status == "skipped" and rows[0].reason == "no llama-cpp-python here"
+    assert len(calls) == 1
+
+
+def _shadow(tmp_path, body: str) -> dict:
+    """An environment whose ``import llama_cpp`` finds ``body`` first."""
+    import os
+
+    (tmp_path / "llama_cpp.py").write_text(body)
+    return {"PYTHONPATH": os.pathsep.join(filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")]))}
+
+
+def test_cli_refuses_llama_cpp_without_the_package_or_a_gguf(tmp_path):
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "--ctx", "1k", "--methods", "ice,llama.cpp"],
+                env=_shadow(tmp_path, "raise ImportError('not installed')\n"))
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "pip install llama-cpp-python" in err and len(err.splitlines()) == 1, err
+    folder = tmp_path / "model"
+    folder.mkdir()
+    r = run_cli(["bench", "--ctx", "1k", "--methods", "llama.cpp", "--model", str(folder)],
+                env=_shadow(tmp_path, ""))
+    err = r.stderr.decode().strip()
+    assert r.returncode == 2 and "GGUF files only" in err and len(err.splitlines()) == 1, err
+
+
+def test_real_llama_cpp_reads_the_same_tokens(loaded, cpu_settings):
+    """Where llama-cpp-python is installed: the embedded GGUF through llama.cpp continues the same
+    prompt ids with the greedy tokens the icecache model (full attention) picks."""
+    pytest.importorskip("llama_cpp")
+    import torch
+
+    from icecache.bench.decode_bench import context_ids
+    from icecache.generation import Session
+
+    ids = context_ids(loaded.tokenizer, 200)
+    t = llama_cpp.run(llama_cpp.gguf_of(None), ids, steps=6, warmup=0, threads=torch.get_num_threads())
+    session = Session(loaded, cpu_settings, "full")
+    with torch.inference_mode():
+        logits, _ = session.prefill(ids)
+        ours = []
+        for _ in range(6):
+            ours.append(int(torch.argmax(logits)))
+            logits = session.forward([ours[-1]])
+    assert t.tokens == ours
+    print(json.dumps({"llama.cpp": t.tokens, "icecache": ours}))
