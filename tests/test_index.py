@@ -164,13 +164,24 @@ def test_fixed_seed_same_result():
 
 
 def test_topk_kernel_matches_argsort():
+    """Exactly the stable argsort's first k (ties by index), on ties, runs of similar scores (as
+    the walk scans them), wide and overflowing ranges, and non-finite scores."""
     rng = np.random.default_rng(0)
-    for n, k in [(10, 3), (100, 100), (1000, 17), (50, 60)]:
-        s = rng.integers(0, 20, n).astype(np.float32)  # many ties
-        got = kernels.topk_indices(s, k)
-        ref = np.argsort(-s, kind="stable")[:k]
-        np.testing.assert_array_equal(s[got], s[ref])
-        assert len(set(got.tolist())) == len(got)
+    cases = [rng.integers(0, 20, n).astype(np.float32) for n in (10, 100, 1000, 50)]  # many ties
+    cases += [np.repeat(rng.standard_normal(300), rng.integers(1, 40, 300)).astype(np.float32),
+              np.sort(rng.standard_normal(5000)).astype(np.float32),
+              (rng.standard_normal(3000) * 1e38).astype(np.float32),
+              np.full(64, 2.5, np.float32), np.float32([1e-30, 0.0, -1e-30] * 30),
+              np.float32([3.0, np.inf, -np.inf, 1.0, np.inf, 0.0, 7.0] * 20)]
+    big = rng.standard_normal(4000).astype(np.float32)
+    big[::7] = big.max()  # the largest score many times over: one bucket holds more than k
+    cases.append(big)
+    for s in cases:
+        for k in (0, 1, 3, 17, 60, 100, 256, len(s) - 1, len(s), len(s) + 5):
+            if k < 0:
+                continue
+            got = kernels.topk_indices(s, k)
+            np.testing.assert_array_equal(got, np.argsort(-s, kind="stable")[:k])
 
 
 def test_ranked_pages_kernel_matches_reference():

@@ -12,6 +12,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+
 
 @njit(nogil=True, cache=True)
 def plan_head(want, slot_page, slot_version, slot_fill, version, members, count, row0, dst0, S,

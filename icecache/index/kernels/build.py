@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .query import query_tree
 
 

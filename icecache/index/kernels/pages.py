@@ -9,6 +9,8 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+
 
 @njit(nogil=True, cache=True)
 def _add_new(out, m, p):

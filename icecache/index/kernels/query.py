@@ -1,7 +1,7 @@
 """numba kernels of a lone query's walk down a DCI-tree (Algorithm 4): scan a node's children,
 keep the beam's best, return the top-``k`` points.
 
-References: :func:`topk_indices` is ``np.argsort(-scores, kind="stable")[:k]`` up to ties;
+References: :func:`topk_indices` is ``np.argsort(-scores, kind="stable")[:k]``;
 :func:`search_many` with a beam over every node is ``icecache.index.reference.exact_topk``.
 """
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit
 
+from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .pages import group_pages
 
 
@@ -76,27 +77,57 @@ def _scan_node(node, v, vproj, PX, first_page, next_page, members, count, lo, hi
     return m
 
 
+TOPK_BINS = 2048  # topk_indices: buckets of the score range
+
+
 @njit(nogil=True, cache=True)
 def topk_indices(scores, k):
-    """Indices of the ``k`` largest ``scores``, largest first (ties: lower index first)."""
+    """Indices of the ``k`` largest ``scores``, largest first (ties: lower index first): exactly
+    ``np.argsort(-scores, kind="stable")[:k]``.
+
+    The score range is cut into :data:`TOPK_BINS` equal buckets; the highest buckets that hold
+    at least ``k`` scores are kept, in index order, and only those are sorted (stable, so ties
+    keep index order). Three passes over the scores and a sort of about ``k`` of them: 3-4x
+    faster at 10k scores than ``np.partition`` (session 42), whose quickselect is slow on the
+    walk's scores (similar keys' scores lie next to each other). A range that is not finite, or
+    scores that all fall in the lowest bucket, sort everything."""
     n = scores.shape[0]
-    if k >= n:
-        return np.argsort(-scores, kind="mergesort")
-    thr = -np.partition(-scores, k - 1)[k - 1]
-    sel = np.empty(k, np.int64)
+    if k <= 0:
+        return np.empty(0, np.int64)
+    lo = scores[0]
+    hi = scores[0]
+    for i in range(1, n):
+        lo = min(lo, scores[i])
+        hi = max(hi, scores[i])
+    if k >= n or not (np.isfinite(lo) and np.isfinite(hi)):
+        return np.argsort(-scores, kind="mergesort")[:k]
+    nb = TOPK_BINS
+    scale = np.float32(0.0)
+    if hi > lo:
+        scale = np.float32(nb - 1) / (hi - lo)  # 0 when the range overflows: one bucket
+    bins = np.empty(n, np.int32)
+    for i in range(n):  # monotone in the score, clamped (a NaN lands in bucket 0)
+        bins[i] = max(0, min(np.int32((scores[i] - lo) * scale), nb - 1))
+    counts = np.zeros(nb, np.int64)
+    for i in range(n):
+        counts[bins[i]] += 1
+    kept = 0
+    cut = nb - 1
+    while cut > 0:
+        kept += counts[cut]
+        if kept >= k:
+            break
+        cut -= 1
+    if cut == 0:
+        kept = n
+    sel = np.empty(kept, np.int64)
     m = 0
     for i in range(n):
-        if scores[i] > thr:
-            sel[m] = i
-            m += 1
-    for i in range(n):
-        if m >= k:
-            break
-        if scores[i] == thr:
+        if bins[i] >= cut:
             sel[m] = i
             m += 1
     order = np.argsort(-scores[sel], kind="mergesort")
-    return sel[order]
+    return sel[order[:k]]
 
 
 @njit(nogil=True, cache=True)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import numpy as np
 from numba import njit, prange
 
+from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .pages import group_pages, merge_ranked
 from .query import topk_indices
 
