@@ -54,8 +54,8 @@ def test_kv_cache_bytes_are_float16_keys_and_values_of_every_layer(loaded):
 
 
 def test_bench_row_beside_the_icecache_methods(loaded, cpu_settings, monkeypatch):
-    """``run_ctx`` with llama.cpp: its row after the others, its own prefill, the ratios of every
-    row to it; a skipped row (with the reason) when the package is missing."""
+    """``run_ctx`` with llama.cpp: its row measured first (the others carry their ratio to it as
+    they come), its own prefill; a skipped row (with the reason) when the package is missing."""
     from icecache.bench import full_bench
 
     calls = []
@@ -69,10 +69,12 @@ def test_bench_row_beside_the_icecache_methods(loaded, cpu_settings, monkeypatch
     monkeypatch.setattr(llama_cpp, "missing", lambda: None)
     settings = cpu_settings.replace(budget=64)
     seen = []
-    rows = full_bench.run_ctx(loaded, settings, ["llama.cpp", "full"], 300, steps=2, warmup=1,
-                              on_row=lambda r: seen.append(r.method), gguf=llama_cpp.gguf_of(None))
-    assert seen == ["full", "llama.cpp"] and [r.method for r in rows] == ["llama.cpp", "full"]
-    lc, full = rows
+    rows = full_bench.run_ctx(loaded, settings, ["full", "llama.cpp"], 300, steps=2, warmup=1,
+                              on_row=lambda r: seen.append((r.method, r.tpot_ratio_vs_llama_cpp)),
+                              gguf=llama_cpp.gguf_of(None))
+    assert [m for m, _ in seen] == ["llama.cpp", "full"] and seen[1][1] > 0
+    assert [r.method for r in rows] == ["full", "llama.cpp"]  # in the order asked for
+    full, lc = rows
     assert lc.status == "ok" and lc.kv_source == "own prefill (llama.cpp)"
     assert calls[0][0].name.endswith(".gguf") and len(calls[0][1]) == 300 and calls[0][2:4] == (2, 1)
     assert lc.prefill_tok_s > 0 and lc.tpot_ms > 0 and lc.peak_rss_bytes > 0

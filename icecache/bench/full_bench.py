@@ -133,7 +133,8 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             log=lambda _m: None, on_progress=None, on_step=None, on_row=None,
             gguf: Path | None = None) -> list[BenchRow]:
     """The rows of ``methods`` at ``ctx`` tokens. ``llama.cpp`` among them (:mod:`.llama_cpp`)
-    runs the GGUF file ``gguf`` over the same token ids, after the icecache methods."""
+    runs the GGUF file ``gguf`` over the same token ids first, so that each icecache row carries
+    its ratio to llama.cpp as soon as it is measured."""
     ours = [m for m in methods if m != llama_cpp.NAME]
     ensure_warm(loaded, settings, ours, sparse=ctx > full_prefill_max)
     ids = context_ids(loaded.tokenizer, ctx)
@@ -143,12 +144,12 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         if on_row is not None:
             on_row(_ratios(row, rows))
 
-    if ours:
-        _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
-                  log, on_progress, on_step, rows, emit)
     if llama_cpp.NAME in methods:
         rows.append(_run_llama(loaded, settings, ids, steps, warmup, gguf, log, on_progress))
         emit(rows[-1])
+    if ours:
+        _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
+                  log, on_progress, on_step, rows, emit)
     for r in rows:
         _ratios(r, rows)
     order = {m: i for i, m in enumerate(methods)}
