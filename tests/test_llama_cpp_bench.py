@@ -82,6 +82,13 @@ def test_bench_row_beside_the_icecache_methods(loaded, cpu_settings, monkeypatch
     assert full.tpot_ratio_vs_llama_cpp == pytest.approx(lc.tpot_ms / full.tpot_ms)
     assert lc.tpot_ratio_vs_full == pytest.approx(full.tpot_ms / lc.tpot_ms)
 
+    def broken(*_a, **_k):
+        raise ValueError("Failed to load model from file: x.gguf\nmore")
+
+    monkeypatch.setattr(llama_cpp, "run", broken)
+    rows = full_bench.run_ctx(loaded, settings, ["llama.cpp"], 300, steps=1, warmup=1, gguf=llama_cpp.gguf_of(None))
+    assert rows[0].status == "failed" and rows[0].reason == "Failed to load model from file: x.gguf"
+    monkeypatch.setattr(llama_cpp, "run", fake_run)
     monkeypatch.setattr(llama_cpp, "missing", lambda: "no llama-cpp-python here")
     rows = full_bench.run_ctx(loaded, settings, ["llama.cpp"], 300, steps=1, warmup=1, gguf=llama_cpp.gguf_of(None))
     assert rows[0].status == "skipped" and rows[0].reason == "no llama-cpp-python here"

@@ -41,7 +41,7 @@ class BenchRow:
     method: str
     ctx: int
     positions: str = ""  # how the run set RoPE positions: remap or true (the session's choice)
-    status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap
+    status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap | failed (llama.cpp)
     reason: str = ""
     kv_source: str = ""
     tt2t_s: float | None = None
@@ -171,8 +171,13 @@ def _run_llama(loaded, settings, ids: list[int], steps: int, warmup: int, gguf: 
         return row
     log(f"llama.cpp at {ctx} tokens: prefill and decoding ...")
     progress = (lambda d, t: on_progress("prefill", d, t)) if on_progress else None
-    with PeakRss() as peak:
-        t = llama_cpp.run(gguf, ids, steps, warmup, torch.get_num_threads(), progress)
+    try:
+        with PeakRss() as peak:
+            t = llama_cpp.run(gguf, ids, steps, warmup, torch.get_num_threads(), progress)
+    except (RuntimeError, ValueError, OSError, MemoryError) as exc:  # llama.cpp could not run it
+        row.status, row.reason = "failed", (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+        log(f"llama.cpp at {ctx} tokens: failed, {row.reason}")
+        return row
     row.prefill_tok_s = ctx / t.prefill_s
     row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = t.tt2t_s, t.tpot_ms, t.tpot_p90_ms
     row.device_kv_bytes = row.peak_device_bytes = need
@@ -186,7 +191,6 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
     """The icecache methods' rows (see the module's docstring), appended to ``rows`` and each
     given to ``emit`` as soon as it is measured."""
     ctx = len(ids)
-
     shared_need = _shared_prefill_skip(loaded, settings, ctx, ctx <= full_prefill_max)
     if shared_need is not None:  # the prefill every method starts from cannot fit
         for m in methods:
