@@ -252,12 +252,15 @@ def index(
     beam_frac: Annotated[float | None, typer.Option("--beam-frac", min=0.0, max=0.999, help="...or this share of "
                                                     "the keys if more. Default: the cpu profile's index_beam_frac.",
                                                     show_default=False)] = None,
-    pages: Annotated[str, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
-                                       "projection, similar, or both comma-separated (same keys).")] = "projection",
-    merge: Annotated[str, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
-                                       "ranks, mass, peaks, or several comma-separated (same keys).")] = "ranks",
-    refine: Annotated[str, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
-                                        "(0: none), or several comma-separated (same keys).")] = "0",
+    pages: Annotated[str | None, typer.Option("--pages", help="How the tree cuts a node's children into pages: "
+                                              "projection, similar, or both comma-separated (same keys). "
+                                              "Default: the cpu profile's index_pages.", show_default=False)] = None,
+    merge: Annotated[str | None, typer.Option("--merge", help="How a GQA group shares its KV head's pages: "
+                                              "ranks, mass, peaks, or several comma-separated (same keys). "
+                                              "Default: the cpu profile's index_merge.", show_default=False)] = None,
+    refine: Annotated[str | None, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
+                                               "(0: none), or several comma-separated (same keys). Default: "
+                                               "the cpu profile's index_refine.", show_default=False)] = None,
     pick: Annotated[str, typer.Option("--pick", help="token_pick multiples measured beside the pages "
                                       "(ice_pickM: the budget's best tokens among M x the budget in "
                                       "pages), comma-separated; 0: none.")] = "4",
@@ -280,7 +283,9 @@ def index(
         for b in budget_list:
             if b <= 0 or b % settings.page_size:
                 raise UsageError(f"--budgets: {b} is not a positive multiple of {settings.page_size}")
-        loaded = load_model(model, settings, log=rep.info)
+        pages = settings.index_pages if pages is None else pages
+        merge = settings.index_merge if merge is None else merge
+        refine = str(settings.index_refine) if refine is None else refine
         modes = [m.strip() for m in pages.split(",") if m.strip()]
         for m in modes:
             if m not in ("projection", "similar"):
@@ -294,6 +299,7 @@ def index(
                                                      "0 or from 2 to 16") if m)
         beams = (parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None
                  else [settings.index_beam])
+        loaded = load_model(model, settings, log=rep.info)
         frac = settings.index_beam_frac if beam_frac is None else beam_frac
         configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r)
                    for b in beams for p in modes for m in merges for r in refines]

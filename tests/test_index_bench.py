@@ -110,8 +110,8 @@ def test_kmeans_lowers_its_objective_and_oracle_pages_rank_by_best_member():
 
 
 def test_index_command_measures_each_beam_on_the_same_keys():
-    """`bench index --beam A,B`: one summary per beam, the beam share from the cpu profile unless
-    --beam-frac says otherwise (the profile's fixed beam is what a decode step walks)."""
+    """`bench index --beam A,B`: one summary per beam; the beam share, pages, merge and refinement
+    are the cpu profile's unless a flag says otherwise (what a decode step walks)."""
     import json
 
     from icecache.config import resolve_settings
@@ -123,8 +123,11 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     r = run_cli([*args, "--beam", "8,16"])
     assert r.returncode == 0, r.stderr.decode()
     docs = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
-    frac = resolve_settings("cpu").index_beam_frac
+    cpu = resolve_settings("cpu")
+    frac = cpu.index_beam_frac
     assert [(d["config"]["beam"], d["config"]["beam_frac"]) for d in docs] == [(8, frac), (16, frac)]
+    assert all((d["config"]["pages"], d["config"]["merge"], d["config"]["refine"])
+               == (cpu.index_pages, cpu.index_merge, cpu.index_refine) for d in docs)
     assert all(d["keys"] == 512 and 0 < d["recall_at_64"] <= 1 for d in docs)
     r = run_cli([*args, "--beam-frac", "0.5"])
     assert r.returncode == 0, r.stderr.decode()
