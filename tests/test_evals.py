@@ -130,7 +130,7 @@ def test_cells_of_one_task_and_length_run_case_by_case(loaded, cpu_settings, mon
     plain = runner.prefill_once
 
     def counted(*args, **kwargs):
-        held.append(sum(isinstance(o, Prefilled) for o in gc.get_objects()))  # before this case's
+        held.append(sum(type(o) is Prefilled for o in gc.get_objects()))  # before this case's
         made.append(plain(*args, **kwargs))
         return made.pop()  # the runner's reference only
 
