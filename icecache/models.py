@@ -187,9 +187,14 @@ def context_length_of(source: str) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+def names_embedded(spec: str | None) -> bool:
+    """Whether ``--model`` means the embedded default model (left out, empty or "embedded")."""
+    return spec in (None, "", "embedded")
+
+
 def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str, dict, bool]:
     """Turn ``--model`` into ``(name, folder_or_id, from_pretrained kwargs, converted_now)``."""
-    if spec in (None, "", "embedded"):
+    if names_embedded(spec):
         folder, converted = cached_conversion(embedded_gguf_path(), convert_gguf, log)
         return EMBEDDED_NAME, str(folder), {}, converted
     path = Path(spec).expanduser()

@@ -57,8 +57,8 @@ def bench_main(
         if ctx is None:
             raise UsageError("--ctx: give the context lengths to measure, e.g. --ctx 8k,32k (or a subcommand, see --help)")
         sizes = [parse_size(x) for x in ctx.split(",") if x.strip()]
-        method_list = [m.strip() if m.strip() == llama_cpp.NAME else check_method(m.strip())
-                       for m in methods.split(",") if m.strip()]
+        names = [m.strip() for m in methods.split(",") if m.strip()]
+        method_list = [m if m == llama_cpp.NAME else check_method(m) for m in names]
         if not method_list:
             raise UsageError("--methods: give at least one method")
         gguf = check_llama_cpp(opts.model) if llama_cpp.NAME in method_list else None
@@ -134,13 +134,14 @@ def check_llama_cpp(model: str | None) -> Path:
 
 
 def llama_cpp_lines(results: list[dict], n: int) -> list[str]:
-    """Each method's TPOT against llama.cpp's at ``n`` tokens, one line each."""
+    """Each method's TPOT against llama.cpp's at ``n`` tokens (its ``tpot_ratio_vs_llama_cpp``),
+    one line each."""
     rows = [r for r in results if r["ctx"] == n and r["status"] == "ok"]
     ref = next((r for r in rows if r["method"] == llama_cpp.NAME), None)
     if ref is None:
         return []
     return [f"{r['method']} at {n} tokens vs llama.cpp: TPOT {r['tpot_ms']:.1f} vs {ref['tpot_ms']:.1f} ms "
-            f"({ref['tpot_ms'] / r['tpot_ms']:.2f}x llama.cpp's speed), prefill {r['prefill_tok_s']:.0f} vs "
+            f"({r['tpot_ratio_vs_llama_cpp']:.2f}x llama.cpp's speed), prefill {r['prefill_tok_s']:.0f} vs "
             f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != llama_cpp.NAME]
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import importlib
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -33,13 +34,13 @@ def missing() -> str | None:
 
 def gguf_of(spec: str | None) -> Path | None:
     """The GGUF file a ``--model`` value names (the embedded model's own file when none), or
-    None for a model folder or an HF id (llama.cpp reads GGUF only)."""
-    from ..models import embedded_gguf_path
+    None for a model folder or an HF id (llama.cpp reads GGUF only). A ``.gguf`` path that does
+    not exist is returned as it is: loading the model reports it."""
+    from ..models import embedded_gguf_path, names_embedded
 
-    if spec in (None, "", "embedded"):
+    if names_embedded(spec):
         return embedded_gguf_path()
-    path = Path(spec).expanduser()
-    return path if spec.endswith(".gguf") and path.is_file() else None
+    return Path(spec).expanduser() if spec.endswith(".gguf") else None
 
 
 def kv_cache_bytes(config, n_ctx: int) -> int:
@@ -49,11 +50,15 @@ def kv_cache_bytes(config, n_ctx: int) -> int:
     return 2 * 2 * config.num_hidden_layers * heads * head_dim * n_ctx
 
 
+@dataclass
 class Timing:
-    """What one llama.cpp run measured (seconds)."""
+    """What one llama.cpp run measured (seconds): the prefill, the time to the second token, each
+    timed step, and the greedy tokens fed."""
 
-    def __init__(self, prefill_s: float, tt2t_s: float, times: list[float], tokens: list[int]):
-        self.prefill_s, self.tt2t_s, self.times, self.tokens = prefill_s, tt2t_s, times, tokens
+    prefill_s: float
+    tt2t_s: float
+    times: list[float]
+    tokens: list[int]
 
     @property
     def tpot_ms(self) -> float:

@@ -111,8 +111,8 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
     ``table``, their :func:`widening_table`, empty for float32) straight into ``pool_k``/``pool_v``
     (H, rows, d), float32 as uint32 bits, at row ``pool_at + slot * S + t``. ``pool_row``
     (H, P * S) gets the loaded rows' host rows when ``track``; a main-slot row whose host row is
-    one of the sorted ``pin_rows`` is made invalid (a pinned passage holds it). ``src``/``dst``: scratch of at least the rows one head
-    may load. Returns (rows copied, pages loaded)."""
+    one of the sorted ``pin_rows`` is made invalid (a pinned passage holds it). ``src``/``dst``:
+    scratch of at least the rows one head may load. Returns (rows copied, pages loaded)."""
     H = want.shape[0]
     P = slot_page.shape[1]
     d = pool_k.shape[2]
