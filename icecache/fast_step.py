@@ -13,6 +13,14 @@ the logits are the forward's bit for bit (an int4 model's bfloat16 activations c
 difference into its logits: torch's fused ``rms_norm`` or RoPE as a product with a rotation matrix
 moved them by up to 0.1 there).
 
+Int4 weights (``weights: int4``, :class:`~icecache.weights.Int4Linear`): a layer's q/k/v products
+run as one call of torch's int4 kernel over their packed weights side by side, and gate/up as
+another, the input rounded to bfloat16 once for each (:class:`Int4Layer`). The kernel computes
+every output channel on its own, so the joined products equal the separate ones bit for bit; the
+modules keep views of the joined weights, so nothing is stored twice. A prompt step
+(:func:`~icecache.weights.in_prompt`: the float model's products) or a layer whose modules were
+replaced since takes the modules' own calls.
+
 Which models: Llama, Mistral, Qwen2 and Qwen3 decoder layers, SiLU MLPs, full attention in every
 layer (no sliding window), RoPE over the whole head, on the CPU in float32. Anything else runs
 transformers' forward, which stays the reference the fast step is tested against
@@ -25,6 +33,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+
+from .weights import COMPUTE, GROUP
 
 SUPPORTED = {  # model_type -> the decoder layer class transformers uses for it
     "llama": "LlamaDecoderLayer",
@@ -71,6 +81,89 @@ def why_not(model: Any) -> str | None:
     return None
 
 
+# The int4 kernel's weights join along their output rows only in whole blocks of its packing.
+JOIN_ROWS = 64
+
+
+class Int4Layer:
+    """One decoder layer's int4 products joined (see the module docstring): ``qkv`` and ``gate_up``
+    as (packed weights, table, bias or None), ``o`` and ``down`` likewise, each the kernel's
+    arguments for a one-row product, and the modules they came from (to notice a swap). Made by
+    :meth:`join`, which checks that the layout allows it."""
+
+    def __init__(self, modules: tuple, qkv: tuple, gate_up: tuple, inter: int):
+        self.modules, self.group, self.inter = modules, GROUP, inter
+        self.qkv, self.gate_up = qkv, gate_up
+        self.o = (modules[3].kernel_weight, modules[3].kernel_table, modules[3].bias)
+        self.down = (modules[6].kernel_weight, modules[6].kernel_table, modules[6].bias)
+
+    @staticmethod
+    def join(layer: Any) -> Int4Layer | None:
+        """``layer``'s joined products, or None where the kernel's packing does not allow
+        joining: it packs rows in blocks (of 64 on this CPU build), so a part whose rows are not
+        whole blocks shifts the next part's; the joined products are checked against the
+        modules' own on one row before they are used. Each module's ``kernel_weight`` then
+        becomes a view of the joined one."""
+        a, mlp = layer.self_attn, layer.mlp
+        modules = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        parts = (modules[:3], modules[4:6])
+        if any(m.out_features % JOIN_ROWS for group in parts for m in group):
+            return None
+        joined = [Int4Layer._joined(group) for group in parts]
+        g = torch.Generator().manual_seed(0)
+        for group, (weight, table, bias) in zip(parts, joined, strict=True):
+            x = torch.randn(1, group[0].in_features, generator=g).to(group[0].act_dtype)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE), weight, GROUP, table).float()
+            if bias is not None:
+                y = y + bias
+            if not torch.equal(y, torch.cat([m(x) for m in group], -1)):
+                return None
+        for group, (weight, _table, _bias) in zip(parts, joined, strict=True):
+            at = 0
+            for m in group:
+                n = m.kernel_weight.shape[0]
+                m.kernel_weight = weight[at : at + n]
+                at += n
+        return Int4Layer(modules, joined[0], joined[1], mlp.gate_proj.out_features)
+
+    @staticmethod
+    def _joined(mods: tuple) -> tuple:
+        """(packed weights, table, bias or None) of ``mods``' products side by side."""
+        weight = torch.cat([m.kernel_weight for m in mods], 0)
+        table = torch.cat([m.kernel_table for m in mods], 1).contiguous()
+        biases = [m.bias for m in mods]
+        bias = None if all(b is None for b in biases) else torch.cat(
+            [torch.zeros(m.out_features, dtype=m.act_dtype) if b is None else b for m, b in zip(mods, biases, strict=True)])
+        return weight, table, bias
+
+    def current(self, layer: Any) -> bool:
+        """Whether ``layer`` still has the modules this was made from."""
+        a, mlp = layer.self_attn, layer.mlp
+        return self.modules == (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+
+    def product(self, x: torch.Tensor, joined: tuple) -> torch.Tensor:
+        """``x`` (1, in) already in bfloat16 -> (1, out) float32, as the modules compute it."""
+        weight, table, bias = joined
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group, table).float()
+        return y if bias is None else y + bias
+
+
+def int4_layers(model: Any) -> list[Int4Layer | None] | None:
+    """Each decoder layer's :class:`Int4Layer` (None for a layer whose products cannot be joined),
+    where every layer's seven linear layers are a float32 model's
+    :class:`~icecache.weights.Int4Linear` and it has no per-head norms; else None."""
+    from .weights import Int4Linear
+
+    layers = model.model.layers
+    for layer in layers:
+        a, mlp = layer.self_attn, layer.mlp
+        mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        if (hasattr(a, "q_norm") or not all(type(m) is Int4Linear for m in mods)
+                or any(m.act_dtype != torch.float32 for m in mods)):
+            return None
+    return [Int4Layer.join(layer) for layer in layers]
+
+
 class FastStep:
     """Decode steps of one model: ``step(token, cache) -> logits (vocab,)``, the logits
     ``model(input_ids=[[token]], past_key_values=cache, use_cache=True, logits_to_keep=1)`` gives,
@@ -92,6 +185,7 @@ class FastStep:
 
         # looked up each step (a method sets the model's attention implementation), imported once
         self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+        self.int4 = int4_layers(model)  # None: the modules' own products
 
     def step(self, token: int, cache: Any) -> torch.Tensor:
         inner, H, Hk, d = self.inner, self.heads, self.kv_heads, self.head_dim
@@ -104,26 +198,45 @@ class FastStep:
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)  # the model's own angles and scaling
         cos, sin = cos[:, None], sin[:, None]
         half = d // 2
+        from .weights import in_prompt
+
+        joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):  # as the forward does
             a = layer.self_attn
+            j = joined[i] if joined is not None else None
+            if j is not None and not j.current(layer):
+                j = None
             norm = layer.input_layernorm
             h = _rms_norm(x, norm.weight, norm.variance_epsilon)
-            q = a.q_proj(h).view(1, 1, H, d)
-            k = a.k_proj(h).view(1, 1, Hk, d)
-            v = a.v_proj(h).view(1, 1, Hk, d).transpose(1, 2)
-            if hasattr(a, "q_norm"):  # Qwen3: per-head norms before RoPE
-                q = a.q_norm(q)
-                k = a.k_norm(k)
+            if j is not None:
+                qkv = j.product(h.view(1, -1).to(COMPUTE), j.qkv)
+                # q and k side by side: RoPE on both at once without joining them
+                qk = qkv[:, : (H + Hk) * d].view(1, 1, H + Hk, d).transpose(1, 2)
+                v = qkv[:, (H + Hk) * d :].view(1, 1, Hk, d).transpose(1, 2)
+            else:
+                q = a.q_proj(h).view(1, 1, H, d)
+                k = a.k_proj(h).view(1, 1, Hk, d)
+                v = a.v_proj(h).view(1, 1, Hk, d).transpose(1, 2)
+                if hasattr(a, "q_norm"):  # Qwen3: per-head norms before RoPE
+                    q = a.q_norm(q)
+                    k = a.k_norm(k)
+                qk = torch.cat([q, k], dim=2).transpose(1, 2)
             # RoPE on q and k at once, op for op as transformers applies it
-            qk = torch.cat([q, k], dim=2).transpose(1, 2)
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
             q, k = qk[:, :H], qk[:, H:]
             if cache is not None:
                 k, v = cache.update(k, v, i)
             out, _ = attend(a, q, k, v, None, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
                             use_cache=True)
-            x = x + a.o_proj(out.reshape(1, 1, H * d))
             norm = layer.post_attention_layernorm
+            if j is not None:
+                x = x + j.product(out.reshape(1, H * d).to(COMPUTE), j.o).view(1, 1, -1)
+                h = _rms_norm(x, norm.weight, norm.variance_epsilon)
+                gu = j.product(h.view(1, -1).to(COMPUTE), j.gate_up)
+                act = F.silu(gu[:, : j.inter]) * gu[:, j.inter :]
+                x = x + j.product(act.to(COMPUTE), j.down).view(1, 1, -1)
+                continue
+            x = x + a.o_proj(out.reshape(1, 1, H * d))
             h = _rms_norm(x, norm.weight, norm.variance_epsilon)
             mlp = layer.mlp
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))

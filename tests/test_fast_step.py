@@ -64,6 +64,7 @@ def test_the_embedded_model_decodes_as_its_forward(loaded, weights):
 
     model = loaded.model if weights == "float" else load_model(None, resolve_settings("cpu", weights=weights)).model
     assert why_not(model) is None
+    assert (FastStep(model).int4 is not None) == (weights == "int4")  # int4: the joined products
     ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
     forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
     settings = resolve_settings("cpu", weights=weights).replace(budget=64, chunk_size=256)
@@ -72,6 +73,67 @@ def test_the_embedded_model_decodes_as_its_forward(loaded, weights):
         for step, (a, b) in enumerate(zip(ref, got, strict=True)):
             err = float((a - b).abs().max())
             assert torch.equal(a, b), f"{weights} {method} step {step}: max |logit difference| {err:.2e}"
+
+
+def joinable_model(arch: str):
+    """A tiny model whose q/k/v and gate/up rows come in whole blocks of the int4 packing (64)."""
+    import transformers as tf
+
+    torch.manual_seed(0)
+    common = dict(vocab_size=97, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=4096)
+    if arch == "llama":
+        return tf.LlamaForCausalLM(tf.LlamaConfig(**common)).eval()
+    return tf.Qwen2ForCausalLM(tf.Qwen2Config(**common)).eval()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_joined_int4_products_decode_as_the_modules(arch):
+    """int4 weights: a layer's q/k/v and gate/up products joined into one kernel call each
+    (qwen2: with the projections' biases) give the forward's logits bit for bit; a layer whose
+    modules were replaced after the step was made takes the modules' own calls."""
+    from icecache.fast_step import int4_layers
+    from icecache.weights import Int4Linear, quantize_model
+
+    model = joinable_model(arch)
+    quantize_model(model, "int4")
+    joined = int4_layers(model)
+    assert joined is not None and all(j is not None for j in joined)
+    a = model.model.layers[0].self_attn
+    assert a.k_proj.kernel_weight.data_ptr() == joined[0].qkv[0][a.q_proj.out_features:].data_ptr()  # a view
+    assert (joined[0].qkv[2] is not None) == (arch == "qwen2")
+    g = torch.Generator().manual_seed(2)
+    prompt = torch.randint(0, 97, (120,), generator=g).tolist()
+    forced = torch.randint(0, 97, (8,), generator=g).tolist()
+    for method in ("ice", "full"):
+        ref, got = decode_both(model, method, small_settings(), prompt, forced)
+        for step, (x, y) in enumerate(zip(ref, got, strict=True)):
+            assert torch.equal(x, y), f"{arch} {method} step {step}: {float((x - y).abs().max()):.2e}"
+    fast = FastStep(model)
+    layer = model.model.layers[1]
+    layer.mlp.up_proj = Int4Linear(torch.nn.Linear(64, 128, bias=False))  # swapped after the step was made
+    assert not fast.int4[1].current(layer) and fast.int4[0].current(model.model.layers[0])
+    ref, got = decode_both(model, "full", small_settings(), prompt, forced)
+    assert all(torch.equal(x, y) for x, y in zip(ref, got, strict=True))
+
+
+def test_int4_products_not_joined_where_the_packing_forbids():
+    """K/V rows of 32 (not whole blocks of 64): no layer joins, and decoding is the forward's;
+    per-head norms (qwen3): the modules' calls."""
+    from icecache.fast_step import int4_layers
+    from icecache.weights import quantize_model
+
+    model = tiny_model("llama")
+    quantize_model(model, "int4")
+    assert int4_layers(model) == [None] * model.config.num_hidden_layers
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 97, (100,), generator=g).tolist()
+    forced = torch.randint(0, 97, (6,), generator=g).tolist()
+    ref, got = decode_both(model, "ice", small_settings(), prompt, forced)
+    assert all(torch.equal(x, y) for x, y in zip(ref, got, strict=True))
+    qwen3 = tiny_model("qwen3")
+    quantize_model(qwen3, "int4")
+    assert int4_layers(qwen3) is None
 
 
 def test_models_it_cannot_run_fall_back():
