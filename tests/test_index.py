@@ -618,3 +618,37 @@ def test_refinement_kernels_match_numpy():
         d = ((rows[j].astype(np.float64) - centres[c]) ** 2).sum(1)
         assert d[c.tolist().index(out[j])] <= d.min() + 1e-4
     assert moved == int((out != group).sum())
+
+
+@pytest.mark.parametrize("pages", ["projection", "similar"])
+def test_a_bulk_insert_leaves_room_for_the_first_decode_evictions(monkeypatch, pages):
+    """After a build (and a prompt chunk) a tree has room for STEP_RESERVE evicted pages, so the
+    first decode steps' inserts copy no arrays (every tree grew there at 8k before); the room
+    is exact, not a quarter more; searches are unchanged by it."""
+    from icecache.index import tree as tree_mod
+
+    S = 16
+    keys = clustered(3000, d=16, seed=3)
+    cap = 2500 + 4 * S  # as the cache sizes a build: the prompt's middle and 4 pages
+    t = DCITree(16, IndexConfig(page_size=S, pages=pages), capacity=cap)
+    t.insert(keys[:2500])
+    assert t.pcap - t.npages >= tree_mod.STEP_RESERVE * (S + 1)
+    assert t.cap - t.n >= tree_mod.STEP_RESERVE * S
+    assert t.pcap <= max(t.npages + tree_mod.STEP_RESERVE * (S + 1), cap * 5 // (4 * S))
+    grown = []
+    monkeypatch.setattr(tree_mod.DCITree, "_alloc_pages",
+                        lambda self, n, _f=tree_mod.DCITree._alloc_pages: (grown.append(n), _f(self, n))[1])
+    monkeypatch.setattr(tree_mod.DCITree, "_alloc",
+                        lambda self, n, _f=tree_mod.DCITree._alloc: (grown.append(n), _f(self, n))[1])
+    for i in range(tree_mod.STEP_RESERVE):
+        t.insert(keys[2500 + i * S : 2500 + (i + 1) * S])  # one evicted page, as a decode step sheds it
+    assert grown == []
+    check_invariants(t)
+    q = clustered(4, d=16, seed=9)
+    monkeypatch.setattr(tree_mod.DCITree, "_reserve_for_steps", lambda self: None)
+    plain = DCITree(16, IndexConfig(page_size=S, pages=pages), capacity=cap)  # without the room
+    plain.insert(keys[:2500])
+    for i in range(tree_mod.STEP_RESERVE):
+        plain.insert(keys[2500 + i * S : 2500 + (i + 1) * S])
+    for a, b in zip(t.search(q, 10), plain.search(q, 10), strict=True):
+        assert np.array_equal(a, b)

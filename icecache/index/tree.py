@@ -32,6 +32,11 @@ EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this
 NO_PAGES = np.empty(0, np.int32)
 
 
+# Evicted pages (of page_size tokens) a tree has room for after a bulk insert, at one new page
+# per key (the most a point-by-point insert can make); see DCITree._reserve_for_steps.
+STEP_RESERVE = 4
+
+
 class DCITree:
     """Index over the keys of one KV head. Point ids are 0..n-1 in insertion order."""
 
@@ -115,21 +120,23 @@ class DCITree:
         self.dirty = np.zeros(pcap, np.bool_)
         self.pcap = pcap
 
-    def _grow(self, need: int) -> None:
+    def _grow(self, need: int, exact: bool = False) -> None:
+        """Room for ``need`` points: by a quarter (long documents, little slack), or ``exact``."""
         if need <= self.cap:
             return
-        cap = max(need, self.cap + self.cap // 4)  # by a quarter: long documents, little slack
+        cap = need if exact else max(need, self.cap + self.cap // 4)
         old = {name: getattr(self, name) for name in self.POINT_ARRAYS}
         self._alloc(cap)
         for name, arr in old.items():
             getattr(self, name)[: arr.shape[0]] = arr
 
-    def _ensure_pages(self, extra: int) -> None:
-        """Room for ``extra`` more pages (page arrays grow by a quarter, not with the points)."""
+    def _ensure_pages(self, extra: int, exact: bool = False) -> None:
+        """Room for ``extra`` more pages (page arrays grow by a quarter, not with the points, or
+        to exactly that: the quarter is 2.5 GB over a 128k prompt's trees)."""
         need = self.npages + extra
         if need <= self.pcap:
             return
-        pcap = max(need, self.pcap + self.pcap // 4, 16)
+        pcap = need if exact else max(need, self.pcap + self.pcap // 4, 16)
         old = {name: getattr(self, name) for name in self.PAGE_ARRAYS}
         self._alloc_pages(pcap)
         for name, arr in old.items():
@@ -220,7 +227,19 @@ class DCITree:
             if self._pending >= self.cfg.refine_min:
                 self.refine(np.unique(np.concatenate(self._touched)), self.cfg.refine)
                 self._touched, self._pending = [], 0
+        if m > 64:
+            self._reserve_for_steps()
         return np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
+
+    def _reserve_for_steps(self) -> None:
+        """After a bulk insert (a build, a prompt chunk): room for :data:`STEP_RESERVE` decode
+        steps' evicted pages, so the arrays grow (a copy of the whole page-major keys) during
+        the prompt rather than at the first generated tokens. A point-by-point insert asks for
+        room for one page per point; a build that filled its page arrays to within a few pages
+        grew them at the first eviction (at 8k every tree did, in the first decode steps)."""
+        S = self.cfg.page_size
+        self._grow(self.n + STEP_RESERVE * S, exact=True)
+        self._ensure_pages(STEP_RESERVE * (S + 1), exact=True)
 
     def refine(self, nodes: np.ndarray | None = None, passes: int = 1) -> int:
         """Lloyd passes over the bottom level's grouping (see :class:`IndexConfig`'s ``refine``).
