@@ -135,6 +135,11 @@ class Settings:
     # the smallest whole factor that fits the document in the trained context), "spread" (as
     # scaled, each row at least one position past the one before it)
     remap_pages: str = "ordered"
+    # remapped "ordered" pages with pinned answer passages (answer_spans): the selected pages
+    # sit remap_pin_gap positions farther back than the passages, which stay nearest the window
+    # (0: right behind them), as far as the trained context allows. Fragments of the budget's
+    # pages just before the question read as the text it follows; farther back, as earlier text
+    remap_pin_gap: int = 0
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
@@ -248,6 +253,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("remap_gap", "must be between 1 and 4096")
     if not 0 <= s.remap_keep <= 1_048_576:
         raise bad("remap_keep", "must be between 0 and 1048576")
+    if not 0 <= s.remap_pin_gap <= 1_048_576:
+        raise bad("remap_pin_gap", "must be between 0 and 1048576")
     if s.remap_pages not in REMAP_PAGES:
         raise bad("remap_pages", f"must be one of {', '.join(REMAP_PAGES)}")
     if s.positions not in POSITIONS:

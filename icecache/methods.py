@@ -274,7 +274,8 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
         remap = None
         if positions(method, model, settings, tokens) == "remap":
             remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack, gap=settings.remap_gap,
-                          keep=settings.remap_keep, pages=settings.remap_pages)
+                          keep=settings.remap_keep, pages=settings.remap_pages,
+                          pin_gap=settings.remap_pin_gap)
         return IceCache(layers, spec, dense_layers=settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
                         device=model.device,

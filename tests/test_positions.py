@@ -577,3 +577,67 @@ def test_remapped_prompt_within_sink_and_window_then_decode():
     layer = cache.layers[0]
     assert layer.remap is not None and layer.store.rows > 0  # pages left the window later
     assert torch.isfinite(out.logits).all()
+
+
+def test_pin_gap_moves_the_budgets_rows_and_the_sink_behind_the_pinned_passages():
+    """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window) and of the
+    window are those without the gap; every other valid pool row and the sink are the same keys
+    G positions farther back (one more rotation by -G); a gap past the trained context's room
+    is cut to what fits."""
+    import dataclasses
+
+    import numpy as np
+
+    from icecache.config import Settings
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["llama3"])
+    rng = np.random.default_rng(7)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 6).tolist()
+    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
+                 prefill_budget=64, prefill_queries=4, dense_window=4096, max_context=8192,
+                 prefill="sparse", host_dtype="float32", positions="remap", answer_spans=2)
+    cache = make_cache("ice", model, s)
+    with torch.inference_mode():
+        cache.begin_prefill(len(prompt))
+        for lo in range(0, len(prompt), 64):
+            model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
+        for t in forced:
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    layer = cache.ice_layers()[0]
+    assert layer.pinned is not None
+    r = layer.resident
+    k, _v, valid = r.tensors()
+    pages_at = layer.length - 1 - r.window_fill
+    base = layer.remap
+    G = 40
+    placed = {}
+    for gap in (0, G):
+        layer.remap = dataclasses.replace(base, pin_gap=gap)
+        placed[gap] = layer._placed(k, pages_at)
+    layer.remap = base
+    cut = (r.pool_pages - r.pinned_slots) * r.page_size
+    pool_valid = np.asarray(valid[:, r.pool_at : r.window_at])
+    near = np.zeros_like(pool_valid)
+    near[:, cut:] = pool_valid[:, cut:] & (r.pool_row[:, cut:] >= layer._pinned_lead)
+    far = pool_valid & ~near
+    assert near.any() and far.any()
+    frame = base.frame
+    a, b = placed[0], placed[G]
+    for h in range(k.shape[0]):
+        rows = r.pool_at + np.flatnonzero(near[h])
+        torch.testing.assert_close(b[h, rows], a[h, rows], atol=0, rtol=0)
+        moved = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(far[h])])
+        torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
+    # cut to the room: nothing placed beyond the trained context
+    layer.remap = dataclasses.replace(base, pin_gap=10**6)
+    valid_np = pool_valid
+    top = pages_at - r.sink_fill
+    room = frame.trained - (layer.length - pages_at) - r.sink_fill
+    from icecache.cache.positions import ordered_offsets
+
+    offset, count = ordered_offsets(layer._placing_order(valid_np), valid_np, base.gap_for(r.window_at - r.pool_at), top, -1)
+    _, cut_count = layer._behind_pinned(offset, count, valid_np, room)
+    layer.remap = base
+    assert int(cut_count.max()) == room

@@ -444,6 +444,8 @@ class IceLayer(CacheLayerMixin):
             # rows near the window keep their true distance if the packed rest still fits
             keep = min(self.remap.keep, room + 1 - rows * gap)
             offset, count = ordered_offsets(self._placing_order(valid), valid, gap, top, keep)
+            if self.remap.pin_gap and self.pinned is not None:
+                offset, count = self._behind_pinned(offset, count, valid, room)
         elif self.remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
             rule = scaled_offsets if self.remap.pages == "scaled" else spread_offsets
             offset, count = rule(r.pool_row, valid, top, self.remap.keep, room)
@@ -451,6 +453,22 @@ class IceLayer(CacheLayerMixin):
             offset = torch.zeros(self.heads, rows, dtype=torch.int64)
             count = torch.ones(self.heads, dtype=torch.int64)
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+
+    def _behind_pinned(self, offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray,
+                       room: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``remap_pin_gap``: the ordered offsets with every pool row except the pinned passages
+        placed nearest the window (the selected pages, and a passage that continues the sink)
+        ``pin_gap`` positions farther back, and the sink with them; less where the trained
+        context has no room for it."""
+        r = self.resident
+        gap = min(self.remap.pin_gap, room - int(count.max()) if count.numel() else 0)
+        if gap <= 0:
+            return offset, count
+        cut = (r.pool_pages - r.pinned_slots) * r.page_size
+        near = np.zeros(valid.shape, np.bool_)
+        near[:, cut:] = valid[:, cut:] & (r.pool_row[:, cut:] >= self._pinned_lead)
+        offset = offset + torch.from_numpy(np.where(near, 0, gap))
+        return offset, count + gap
 
     def _placing_order(self, valid: np.ndarray) -> np.ndarray:
         """The pool rows' order keys for the ordered placement: host rows (token order), except

@@ -159,6 +159,9 @@ class Remap:
     # pool rows at most ``keep`` tokens beyond the window keep their true distance (0: none);
     # the rows farther back follow them by the ``pages`` rule
     keep: int = 0
+    # "ordered" with pinned answer passages: the other pool rows (and the sink) sit ``pin_gap``
+    # positions farther back than the passages, as far as the trained context allows
+    pin_gap: int = 0
 
     def gap_for(self, rows: int) -> int:
         """The gap for ``rows`` pool rows of a head: ``gap``, or less so that their span stays
