@@ -582,8 +582,8 @@ def test_remapped_prompt_within_sink_and_window_then_decode():
 def test_pin_gap_moves_the_budgets_rows_and_the_sink_behind_the_pinned_passages():
     """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window) and of the
     window are those without the gap; every other valid pool row and the sink are the same keys
-    G positions farther back (one more rotation by -G); a gap past the trained context's room
-    is cut to what fits."""
+    G positions farther back (one more rotation by -G); none of it when a pinned passage starts
+    within a passage's length of the sink; a gap past the trained context's room is cut to what fits."""
     import dataclasses
 
     import numpy as np
@@ -630,6 +630,16 @@ def test_pin_gap_moves_the_budgets_rows_and_the_sink_behind_the_pinned_passages(
         moved = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(far[h])])
         torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
+    # a pinned passage within a passage's length of the sink: no gap (text across the sink's
+    # end stays together)
+    from icecache.cache.spec import SPAN_PAGES
+
+    ids, table, rows = layer._pinned_load
+    assert rows[0] >= SPAN_PAGES * r.page_size
+    layer._pinned_load = (ids, table, np.concatenate([[SPAN_PAGES * r.page_size - 1], rows]))
+    layer.remap = dataclasses.replace(base, pin_gap=G)
+    torch.testing.assert_close(layer._placed(k, pages_at), a, atol=0, rtol=0)
+    layer._pinned_load = (ids, table, rows)
     # cut to the room: nothing placed beyond the trained context
     layer.remap = dataclasses.replace(base, pin_gap=10**6)
     valid_np = pool_valid

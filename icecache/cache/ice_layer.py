@@ -43,7 +43,7 @@ from .rest import RestPages
 from .selectors import PageSelector, make_selector
 from .selectors.tokens import TokenPages
 from .spans import SpanVotes, head_weights
-from .spec import VOTE_STEPS, IceSpec, StepStats
+from .spec import SPAN_PAGES, VOTE_STEPS, IceSpec, StepStats
 from .worker import WORKER
 
 
@@ -457,12 +457,16 @@ class IceLayer(CacheLayerMixin):
     def _behind_pinned(self, offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray,
                        room: int) -> tuple[torch.Tensor, torch.Tensor]:
         """``remap_pin_gap``: the ordered offsets with every pool row except the pinned passages
-        placed nearest the window (the selected pages, and a passage that continues the sink)
-        ``pin_gap`` positions farther back, and the sink with them; less where the trained
-        context has no room for it."""
+        placed nearest the window (the selected pages) ``pin_gap`` positions farther back, and
+        the sink with them; less where the trained context has no room for it; not at all when
+        a pinned passage starts within a passage's length of the sink."""
         r = self.resident
         gap = min(self.remap.pin_gap, room - int(count.max()) if count.numel() else 0)
-        if gap <= 0:
+        rows = self._pinned_load[2]
+        if gap <= 0 or (len(rows) and rows[0] < SPAN_PAGES * r.page_size):
+            # a passage within a passage's length of the sink: text that runs across the sink's
+            # end (a needle at the document's start) must not be cut apart; moved back with the
+            # sink, the first rows of a 16k passkey at depth 0 left its pinned passage (session 43)
             return offset, count
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
         near = np.zeros(valid.shape, np.bool_)
