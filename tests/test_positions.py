@@ -579,15 +579,17 @@ def test_remapped_prompt_within_sink_and_window_then_decode():
     assert torch.isfinite(out.logits).all()
 
 
-def test_pin_gap_moves_the_budgets_rows_and_the_sink_behind_the_pinned_passages():
-    """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window) and of the
-    window are those without the gap; every other valid pool row and the sink are the same keys
-    G positions farther back (one more rotation by -G); none of it when a pinned passage starts
-    within a passage's length of the sink; a gap past the trained context's room is cut to what fits."""
+def test_pin_gap_moves_the_budgets_rows_behind_the_pinned_passages():
+    """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window), of the sink
+    and of the window are those without the gap; every selected row is the same key G positions
+    farther back (one more rotation by -G). With a passage pinned at the sink, that passage and
+    every row before its end stay (the document's opening is not cut apart); a gap past the
+    trained context's room is cut to what fits."""
     import dataclasses
 
     import numpy as np
 
+    from icecache.cache.spec import SPAN_PAGES
     from icecache.config import Settings
     from icecache.methods import make_cache
 
@@ -605,49 +607,51 @@ def test_pin_gap_moves_the_budgets_rows_and_the_sink_behind_the_pinned_passages(
         for t in forced:
             model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
     layer = cache.ice_layers()[0]
-    assert layer.pinned is not None
     r = layer.resident
     k, _v, valid = r.tensors()
     pages_at = layer.length - 1 - r.window_fill
-    base = layer.remap
-    G = 40
-    placed = {}
-    for gap in (0, G):
-        layer.remap = dataclasses.replace(base, pin_gap=gap)
-        placed[gap] = layer._placed(k, pages_at)
-    layer.remap = base
+    base, frame, G = layer.remap, layer.remap.frame, 40
     cut = (r.pool_pages - r.pinned_slots) * r.page_size
     pool_valid = np.asarray(valid[:, r.pool_at : r.window_at])
-    near = np.zeros_like(pool_valid)
-    near[:, cut:] = pool_valid[:, cut:] & (r.pool_row[:, cut:] >= layer._pinned_lead)
-    far = pool_valid & ~near
-    assert near.any() and far.any()
-    frame = base.frame
-    a, b = placed[0], placed[G]
-    for h in range(k.shape[0]):
-        rows = r.pool_at + np.flatnonzero(near[h])
-        torch.testing.assert_close(b[h, rows], a[h, rows], atol=0, rtol=0)
-        moved = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(far[h])])
-        torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
-    torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
-    # a pinned passage within a passage's length of the sink: no gap (text across the sink's
-    # end stays together)
-    from icecache.cache.spec import SPAN_PAGES
+
+    def placed(gap):
+        layer.remap = dataclasses.replace(base, pin_gap=gap)
+        try:
+            return layer._placed(k, pages_at)
+        finally:
+            layer.remap = base
+
+    def check(stay_below: int):
+        a, b = placed(0), placed(G)
+        far = pool_valid & (r.pool_row >= stay_below)
+        far[:, cut:] = False
+        assert far.any() and (pool_valid & ~far).any()
+        for h in range(k.shape[0]):
+            still = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(pool_valid[h] & ~far[h])])
+            torch.testing.assert_close(b[h, still], a[h, still], atol=0, rtol=0)
+            moved = r.pool_at + np.flatnonzero(far[h])
+            torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
 
     ids, table, rows = layer._pinned_load
-    assert rows[0] >= SPAN_PAGES * r.page_size
-    layer._pinned_load = (ids, table, np.concatenate([[SPAN_PAGES * r.page_size - 1], rows]))
+    assert layer.pinned is not None and layer._pinned_lead == 0 and rows[0] >= SPAN_PAGES * r.page_size
+    check(0)
+    # a passage pinned at the sink (rows 2 .. 5 here): the rows before its end stay too
+    near_sink = np.arange(2, 6)
+    layer._pinned_load = (ids, table, np.concatenate([near_sink, rows]))
     layer.remap = dataclasses.replace(base, pin_gap=G)
-    torch.testing.assert_close(layer._placed(k, pages_at), a, atol=0, rtol=0)
+    assert layer._with_sink() == 6
+    layer.remap = base
+    check(6)
     layer._pinned_load = (ids, table, rows)
     # cut to the room: nothing placed beyond the trained context
-    layer.remap = dataclasses.replace(base, pin_gap=10**6)
-    valid_np = pool_valid
-    top = pages_at - r.sink_fill
-    room = frame.trained - (layer.length - pages_at) - r.sink_fill
     from icecache.cache.positions import ordered_offsets
 
-    offset, count = ordered_offsets(layer._placing_order(valid_np), valid_np, base.gap_for(r.window_at - r.pool_at), top, -1)
-    _, cut_count = layer._behind_pinned(offset, count, valid_np, room)
+    top = pages_at - r.sink_fill
+    room = frame.trained - (layer.length - pages_at) - r.sink_fill
+    offset, count = ordered_offsets(layer._placing_order(pool_valid), pool_valid,
+                                    base.gap_for(r.window_at - r.pool_at), top, -1)
+    layer.remap = dataclasses.replace(base, pin_gap=10**6)
+    moved, _ = layer._behind_pinned(offset, count, pool_valid, room)
     layer.remap = base
-    assert int(cut_count.max()) == room
+    assert int(moved[torch.from_numpy(pool_valid)].max()) < room

@@ -456,28 +456,39 @@ class IceLayer(CacheLayerMixin):
 
     def _behind_pinned(self, offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray,
                        room: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``remap_pin_gap``: the ordered offsets with every pool row except the pinned passages
-        placed nearest the window (the selected pages) ``pin_gap`` positions farther back, and
-        the sink with them; less where the trained context has no room for it; not at all when
-        a pinned passage starts within a passage's length of the sink."""
+        """``remap_pin_gap``: the ordered offsets with the selected pages' rows ``pin_gap``
+        positions farther back (less where the trained context has no room for it). The pinned
+        passages nearest the window stay, and so do the sink and the rows that stay with it
+        (:meth:`_with_sink`: every pool row before the end of a passage pinned at the sink), so
+        the document's opening is not cut apart either."""
         r = self.resident
         gap = min(self.remap.pin_gap, room - int(count.max()) if count.numel() else 0)
-        rows = self._pinned_load[2]
-        if gap <= 0 or (len(rows) and rows[0] < SPAN_PAGES * r.page_size):
-            # a passage within a passage's length of the sink: text that runs across the sink's
-            # end (a needle at the document's start) must not be cut apart; moved back with the
-            # sink, the first rows of a 16k passkey at depth 0 left its pinned passage (session 43)
+        if gap <= 0:
             return offset, count
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
-        near = np.zeros(valid.shape, np.bool_)
-        near[:, cut:] = valid[:, cut:] & (r.pool_row[:, cut:] >= self._pinned_lead)
-        offset = offset + torch.from_numpy(np.where(near, 0, gap))
-        return offset, count + gap
+        far = valid & (r.pool_row >= self._with_sink())
+        far[:, cut:] = False  # the pinned passages
+        return offset + torch.from_numpy(np.where(far, gap, 0)), count
+
+    def _with_sink(self) -> int:
+        """Pinned host rows below this stay in token order right after the sink instead of
+        nearest the window: a passage that continues the sink; with ``remap_pin_gap``, a
+        passage that starts within a passage's length of it too (its whole run of rows). Text
+        that runs across the sink's end (a needle at the document's start) then stays together:
+        cut apart, the gap took a 16k passkey at depth 0 (session 43)."""
+        lead = self._pinned_lead
+        rows = self._pinned_load[2] if self._pinned_load is not None else ()
+        if not self.remap.pin_gap or not len(rows) or rows[0] >= SPAN_PAGES * self.resident.page_size:
+            return lead
+        breaks = np.flatnonzero(np.diff(rows) != 1)
+        end = int(rows[breaks[0]]) + 1 if len(breaks) else int(rows[-1]) + 1  # the first run's end
+        return max(lead, end)
 
     def _placing_order(self, valid: np.ndarray) -> np.ndarray:
         """The pool rows' order keys for the ordered placement: host rows (token order), except
         that pinned answer passages come after the selected rows, nearest the window, in their own
-        order (a passage that continues the sink stays where token order puts it, after the sink)."""
+        order (a passage that stays with the sink, :meth:`_with_sink`, stays where token order
+        puts it, after the sink)."""
         r = self.resident
         if self.pinned is None:
             return r.pool_row
@@ -485,7 +496,7 @@ class IceLayer(CacheLayerMixin):
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
         pin, ok = keys[:, cut:], valid[:, cut:]
         last = np.where(valid[:, :cut], keys[:, :cut], -1).max(axis=1, keepdims=True)
-        move = ok & (pin >= self._pinned_lead)
+        move = ok & (pin >= self._with_sink())
         keys[:, cut:] = np.where(move, np.maximum(last, 0) + 1 + pin, pin)
         return keys
 
