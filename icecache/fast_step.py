@@ -92,7 +92,7 @@ class Int4Layer:
     :meth:`join`, which checks that the layout allows it."""
 
     def __init__(self, modules: tuple, qkv: tuple, gate_up: tuple, inter: int):
-        self.modules, self.group, self.inter = modules, GROUP, inter
+        self.modules, self.inter = modules, inter
         self.qkv, self.gate_up = qkv, gate_up
         self.o = (modules[3].kernel_weight, modules[3].kernel_table, modules[3].bias)
         self.down = (modules[6].kernel_weight, modules[6].kernel_table, modules[6].bias)
@@ -111,12 +111,12 @@ class Int4Layer:
             return None
         joined = [Int4Layer._joined(group) for group in parts]
         g = torch.Generator().manual_seed(0)
-        for group, (weight, table, bias) in zip(parts, joined, strict=True):
-            x = torch.randn(1, group[0].in_features, generator=g).to(group[0].act_dtype)
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(COMPUTE), weight, GROUP, table).float()
-            if bias is not None:
-                y = y + bias
-            if not torch.equal(y, torch.cat([m(x) for m in group], -1)):
+        for group, whole in zip(parts, joined, strict=True):
+            x = torch.randn(1, group[0].in_features, generator=g).to(COMPUTE)
+            # each module's own one-row product (not its forward: inside prompt_products, where
+            # the step may first be made, that is the float product)
+            own = [Int4Layer.product_of(x, (m.kernel_weight, m.kernel_table, m.bias)) for m in group]
+            if not torch.equal(Int4Layer.product_of(x, whole), torch.cat(own, -1)):
                 return None
         for group, (weight, _table, _bias) in zip(parts, joined, strict=True):
             at = 0
@@ -141,10 +141,12 @@ class Int4Layer:
         a, mlp = layer.self_attn, layer.mlp
         return self.modules == (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
-    def product(self, x: torch.Tensor, joined: tuple) -> torch.Tensor:
-        """``x`` (1, in) already in bfloat16 -> (1, out) float32, as the modules compute it."""
+    @staticmethod
+    def product_of(x: torch.Tensor, joined: tuple) -> torch.Tensor:
+        """``x`` (1, in) already in bfloat16 -> (1, out) float32, as the modules compute a decode
+        step's row (:class:`~icecache.weights.Int4Linear`)."""
         weight, table, bias = joined
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, self.group, table).float()
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x, weight, GROUP, table).float()
         return y if bias is None else y + bias
 
 
@@ -209,7 +211,7 @@ class FastStep:
             norm = layer.input_layernorm
             h = _rms_norm(x, norm.weight, norm.variance_epsilon)
             if j is not None:
-                qkv = j.product(h.view(1, -1).to(COMPUTE), j.qkv)
+                qkv = j.product_of(h.view(1, -1).to(COMPUTE), j.qkv)
                 # q and k side by side: RoPE on both at once without joining them
                 qk = qkv[:, : (H + Hk) * d].view(1, 1, H + Hk, d).transpose(1, 2)
                 v = qkv[:, (H + Hk) * d :].view(1, 1, Hk, d).transpose(1, 2)
@@ -230,11 +232,11 @@ class FastStep:
                             use_cache=True)
             norm = layer.post_attention_layernorm
             if j is not None:
-                x = x + j.product(out.reshape(1, H * d).to(COMPUTE), j.o).view(1, 1, -1)
+                x = x + j.product_of(out.reshape(1, H * d).to(COMPUTE), j.o).view(1, 1, -1)
                 h = _rms_norm(x, norm.weight, norm.variance_epsilon)
-                gu = j.product(h.view(1, -1).to(COMPUTE), j.gate_up)
+                gu = j.product_of(h.view(1, -1).to(COMPUTE), j.gate_up)
                 act = F.silu(gu[:, : j.inter]) * gu[:, j.inter :]
-                x = x + j.product(act.to(COMPUTE), j.down).view(1, 1, -1)
+                x = x + j.product_of(act.to(COMPUTE), j.down).view(1, 1, -1)
                 continue
             x = x + a.o_proj(out.reshape(1, 1, H * d))
             h = _rms_norm(x, norm.weight, norm.variance_epsilon)

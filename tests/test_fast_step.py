@@ -93,11 +93,12 @@ def test_joined_int4_products_decode_as_the_modules(arch):
     (qwen2: with the projections' biases) give the forward's logits bit for bit; a layer whose
     modules were replaced after the step was made takes the modules' own calls."""
     from icecache.fast_step import int4_layers
-    from icecache.weights import Int4Linear, quantize_model
+    from icecache.weights import Int4Linear, prompt_products, quantize_model
 
     model = joinable_model(arch)
     quantize_model(model, "int4")
-    joined = int4_layers(model)
+    with prompt_products():  # where a step is first made during a sparse prefill's prompt steps
+        joined = int4_layers(model)
     assert joined is not None and all(j is not None for j in joined)
     a = model.model.layers[0].self_attn
     assert a.k_proj.kernel_weight.data_ptr() == joined[0].qkv[0][a.q_proj.out_features:].data_ptr()  # a view
