@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .weights import COMPUTE, GROUP
+from .weights import COMPUTE, GROUP, Int4Linear, in_prompt
 
 SUPPORTED = {  # model_type -> the decoder layer class transformers uses for it
     "llama": "LlamaDecoderLayer",
@@ -154,8 +154,6 @@ def int4_layers(model: Any) -> list[Int4Layer | None] | None:
     """Each decoder layer's :class:`Int4Layer` (None for a layer whose products cannot be joined),
     where every layer's seven linear layers are a float32 model's
     :class:`~icecache.weights.Int4Linear` and it has no per-head norms; else None."""
-    from .weights import Int4Linear
-
     layers = model.model.layers
     for layer in layers:
         a, mlp = layer.self_attn, layer.mlp
@@ -200,8 +198,6 @@ class FastStep:
         cos, sin = inner.rotary_emb(x, position_ids=position_ids)  # the model's own angles and scaling
         cos, sin = cos[:, None], sin[:, None]
         half = d // 2
-        from .weights import in_prompt
-
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):  # as the forward does
             a = layer.self_attn
