@@ -152,24 +152,10 @@ def test_remapped_passages_sit_nearest_the_window_in_their_own_order():
     """With remapped positions (ordered), a pinned passage's rows come after the selected rows
     (nearest the window), in their own token order; a passage that continues the sink stays in
     token order right after it."""
-    from icecache.config import Settings
-    from icecache.methods import make_cache
-    from tests.test_positions import ROPES, llama
+    from tests.test_positions import remapped_pinned_cache
 
-    model = llama(ROPES["llama3"])
-    rng = np.random.default_rng(6)
-    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 10).tolist()
-    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
-                 prefill_budget=32, prefill_queries=4, dense_window=4096, max_context=8192,
-                 prefill="sparse", host_dtype="float32", positions="remap", answer_spans=2)
-    cache = make_cache("ice", model, s)
-    with torch.inference_mode():
-        cache.begin_prefill(len(prompt))
-        for lo in range(0, len(prompt), 64):
-            model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
-        for t in forced:
-            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
-    assert torch.isfinite(out.logits).all()
+    _model, cache, logits = remapped_pinned_cache(6, 10, 32)
+    assert torch.isfinite(logits).all()
     checked = 0
     for layer in cache.ice_layers():
         r = layer.resident

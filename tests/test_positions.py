@@ -579,6 +579,31 @@ def test_remapped_prompt_within_sink_and_window_then_decode():
     assert torch.isfinite(out.logits).all()
 
 
+def remapped_pinned_cache(seed: int, steps: int, prefill_budget: int):
+    """An ice cache of the llama3-RoPE tiny model with remapped positions and two answer passages
+    pinned: a 300-token sparse prefill from ``seed``, then ``steps`` one-token steps. Returns the
+    model, the cache and the last step's logits."""
+    import numpy as np
+
+    from icecache.config import Settings
+    from icecache.methods import make_cache
+
+    model = llama(ROPES["llama3"])
+    rng = np.random.default_rng(seed)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, steps).tolist()
+    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
+                 prefill_budget=prefill_budget, prefill_queries=4, dense_window=4096, max_context=8192,
+                 prefill="sparse", host_dtype="float32", positions="remap", answer_spans=2)
+    cache = make_cache("ice", model, s)
+    with torch.inference_mode():
+        cache.begin_prefill(len(prompt))
+        for lo in range(0, len(prompt), 64):
+            model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
+        for t in forced:
+            out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    return model, cache, out.logits
+
+
 def test_pin_gap_moves_the_budgets_rows_behind_the_pinned_passages():
     """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window), of the sink
     and of the window are those without the gap; every selected row is the same key G positions
@@ -590,22 +615,8 @@ def test_pin_gap_moves_the_budgets_rows_behind_the_pinned_passages():
     import numpy as np
 
     from icecache.cache.spec import SPAN_PAGES
-    from icecache.config import Settings
-    from icecache.methods import make_cache
 
-    model = llama(ROPES["llama3"])
-    rng = np.random.default_rng(7)
-    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 6).tolist()
-    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
-                 prefill_budget=64, prefill_queries=4, dense_window=4096, max_context=8192,
-                 prefill="sparse", host_dtype="float32", positions="remap", answer_spans=2)
-    cache = make_cache("ice", model, s)
-    with torch.inference_mode():
-        cache.begin_prefill(len(prompt))
-        for lo in range(0, len(prompt), 64):
-            model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
-        for t in forced:
-            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    _model, cache, _logits = remapped_pinned_cache(7, 6, 64)
     layer = cache.ice_layers()[0]
     r = layer.resident
     k, _v, valid = r.tensors()

@@ -477,8 +477,10 @@ class IceLayer(CacheLayerMixin):
         that runs across the sink's end (a needle at the document's start) then stays together:
         cut apart, the gap took a 16k passkey at depth 0 (session 43)."""
         lead = self._pinned_lead
-        rows = self._pinned_load[2] if self._pinned_load is not None else ()
-        if not self.remap.pin_gap or not len(rows) or rows[0] >= SPAN_PAGES * self.resident.page_size:
+        if not self.remap.pin_gap or self._pinned_load is None:
+            return lead
+        rows = self._pinned_load[2]
+        if not len(rows) or rows[0] >= SPAN_PAGES * self.resident.page_size:
             return lead
         breaks = np.flatnonzero(np.diff(rows) != 1)
         end = int(rows[breaks[0]]) + 1 if len(breaks) else int(rows[-1]) + 1  # the first run's end
