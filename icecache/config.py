@@ -61,6 +61,10 @@ class Settings:
     sink_pages: int = 2
     window_pages: int = 2
     dense_layers: int = 2
+    # ice and ice-reuse: a run of at most this many tokens (prompt + generation) keeps every layer
+    # dense, attending to every token (exact), where that is faster than selecting pages
+    # (0: never; with true positions and a full prefill only). icecache.methods.all_dense
+    dense_until: int = 0
     index_beam: int = 32  # DCI-tree nodes expanded per level in a decode-step query
     index_beam_frac: float = 0.001  # ... at least this share of the indexed keys (authors: 0.001)
     # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
@@ -211,6 +215,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("window_pages", "must be >= 1")
     if s.dense_layers < 0:
         raise bad("dense_layers", "must be >= 0")
+    if not 0 <= s.dense_until <= 1_048_576:
+        raise bad("dense_until", "must be between 0 and 1048576")
     if s.index_beam < 1:
         raise bad("index_beam", "must be >= 1")
     if not 0 <= s.index_beam_frac < 1:

@@ -47,9 +47,10 @@ SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "devic
 # re-prefilled a 100k document for 12 minutes: the name was part of the key.) ``fast_step`` and
 # the threads change a state only by float rounding.
 # ``remap_pin_gap`` places rows only once answer passages are pinned, after the prompt's end,
-# never in a saved document prefix.
+# never in a saved document prefix. ``dense_until`` decides whether a run has sparse layers at
+# all; a run that has them holds the same state whatever its value.
 STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads",
-                           "fast_step", "remap_pin_gap"})
+                           "fast_step", "remap_pin_gap", "dense_until"})
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.

@@ -174,7 +174,10 @@ class Session:
     def _start(self, ids: list[int]) -> int:
         """Prepare the cache for prompt ``ids``; return how many leading tokens are already in it."""
         keep = min(_common_prefix(self.cached_ids, ids), len(ids) - 1)
-        if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False):
+        # a cache kept dense for a short run serves a longer one only as far as dense_until
+        outgrown = (getattr(self.cache, "all_dense", False)
+                    and len(ids) + self.new_tokens > self.run_settings.dense_until)
+        if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False) and not outgrown:
             drop = len(self.cached_ids) - keep
             if drop:
                 self.cache.crop(-drop)  # a negative count removes that many trailing tokens
@@ -203,6 +206,11 @@ class Session:
     def positions(self) -> str:
         """How the current run sets RoPE positions: ``remap`` or ``true``."""
         return self.run_settings.positions if self.run_settings else "true"
+
+    @property
+    def all_dense(self) -> bool:
+        """Whether the current run keeps every layer dense (``dense_until``: a short run)."""
+        return bool(getattr(self.cache, "all_dense", False))
 
     @property
     def prefill_mode(self) -> str:

@@ -38,7 +38,8 @@ class Method:
     ``oracle_per``: whose budget the oracle's top tokens are (``kv`` or ``query`` head).
     ``reuse_every``: with ``reuse``, the layers an anchor serves (0: the ``reuse_every`` setting).
     ``anchor_depths``: with ``reuse``, the anchor layers instead, as shares of the model's depth
-    (:func:`anchor_layers`).
+    (:func:`anchor_layers`). ``short_dense``: a run within ``dense_until`` tokens keeps every layer
+    dense (:func:`all_dense`).
     """
 
     name: str
@@ -51,6 +52,7 @@ class Method:
     oracle_per: str = "kv"
     reuse_every: int = 0
     anchor_depths: tuple[float, ...] = ()
+    short_dense: bool = False
 
 
 # OmniKV's filter layers: 2, 8 and 18 of Llama-3-8B's 32 (the authors' configuration), as shares
@@ -62,9 +64,9 @@ METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "the whole KV cache, transformers' own (the reference)", "sdpa", budgeted=False),
     Method("dense", "the whole KV cache, growing in place (no per-step copy)", "dense", budgeted=False),
     Method("ice", "IceCache: budget pages chosen by the DCI-tree, the rest on the host", "paged",
-           selector="dci", sparse_prefill=True),
+           selector="dci", sparse_prefill=True, short_dense=True),
     Method("ice-reuse", "ice where only every --reuse-every-th layer queries its index", "paged",
-           selector="dci", sparse_prefill=True, reuse=True),
+           selector="dci", sparse_prefill=True, reuse=True, short_dense=True),
     Method("oracle", "upper bound: exact top tokens per KV head over the dense cache", "oracle"),
     Method("oracle-qhead", "upper bound: exact top tokens per query head (G x the memory)", "oracle",
            oracle_per="query"),
@@ -259,6 +261,20 @@ def plan_run(method: str, model: Any, settings: Settings, prompt_tokens: int, ne
                             positions=positions(method, model, settings, prompt_tokens + new_tokens))
 
 
+def all_dense(method: str, model: Any, settings: Settings, tokens: int) -> bool:
+    """Whether a run of ``tokens`` (prompt + generation) under ``method`` keeps every layer dense:
+    the method allows it (``short_dense``: ice, ice-reuse), ``tokens`` is at most ``dense_until``,
+    the prefill is not sparse and the positions are true. On the CPU, attending to every token of
+    a few thousand is faster than choosing pages (docs/results.md, session 44), and exact. The
+    baselines never do: they are run to be compared."""
+    m = get(method)
+    if not (m.short_dense and 0 < tokens <= settings.dense_until) or settings.prefill == "sparse":
+        return False
+    if settings.prefill == "auto" and prefill_mode(method, model, settings, tokens) != "full":
+        return False
+    return positions(method, model, settings, tokens) == "true"
+
+
 def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> Any:
     """A fresh cache object for one sequence of about ``tokens`` tokens (prompt + generation;
     it decides ``positions: auto``) under ``method``."""
@@ -276,7 +292,8 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
             remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack, gap=settings.remap_gap,
                           keep=settings.remap_keep, pages=settings.remap_pages,
                           pin_gap=settings.remap_pin_gap)
-        return IceCache(layers, spec, dense_layers=settings.dense_layers,
+        dense = all_dense(method, model, settings, tokens)
+        return IceCache(layers, spec, dense_layers=layers if dense else settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
                         device=model.device,
                         remap=remap,

@@ -15,7 +15,7 @@ from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
-from .methods import check_method, get, plan_run
+from .methods import all_dense, check_method, get, plan_run
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
@@ -116,7 +116,9 @@ class Runner:
         plan = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens, max_new_tokens)
         if self.note:
             scaled = f", RoPE {plan.rope_scaling}" if plan.rope_scaling != "none" else ""
-            self.note(f"{plan.prefill} prefill, {plan.positions} positions{scaled} ({prompt_tokens} prompt "
+            dense = (f", every layer dense (exact: the run fits dense_until, {plan.dense_until} tokens)"
+                     if all_dense(self.method, self.loaded.model, plan, total) else "")
+            self.note(f"{plan.prefill} prefill, {plan.positions} positions{scaled}{dense} ({prompt_tokens} prompt "
                       f"tokens, {self.loaded.context_length} trained)")
         if total <= self.loaded.context_length or plan.positions == "remap" or plan.rope_scaling != "none":
             return None

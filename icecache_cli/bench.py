@@ -184,7 +184,8 @@ def positions_ratios(by_positions: dict[str, list]) -> list[str]:
 
 def row_line(r) -> str:
     """One row as one status line."""
-    head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions)" if r.positions else "") + ": "
+    dense = ", every layer dense: within dense_until" if getattr(r, "all_dense", False) else ""
+    head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions{dense})" if r.positions else "") + ": "
     if r.status != "ok":
         return head + r.status + (f" ({r.reason})" if r.reason else "")
     return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}), TT2T {r.tt2t_s:.1f} s, "
@@ -409,6 +410,7 @@ def decode(
                         f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}; layers "
                         f">= {settings.dense_layers}: {100 * r.device_kv_bytes_sparse_layers / max(1, base.device_kv_bytes_sparse_layers):.2f}%), "
                         f"host KV {r.host_kv_bytes / 2**20:.1f} MiB"
+                        + ("; every layer dense (within dense_until)" if r.all_dense else "")
                         + ("; per token: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.breakdown_ms.items())
                            if r.breakdown_ms else ""), markup=False)
             del shared

@@ -50,8 +50,10 @@ def evaluate(
         for t in task_list:
             if t not in runner.TASKS:
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
+        # eval measures the methods at their budgets: ice keeps its sparse layers on short
+        # documents too, unless a variant says otherwise ('ice[dense_until=6144]')
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
-                                    rope_scaling=rope_scaling, weights=weights)
+                                    rope_scaling=rope_scaling, weights=weights).replace(dense_until=0)
         method_list, variants = [], {}
         for label, method, method_settings in parse_methods(methods, settings, fixed=(*RUN_KEYS, "budget")):
             check_prefill(method, method_settings)

@@ -215,6 +215,7 @@ def final_stats(result: TaskResult, cache, settings, session=None, weights: str 
         "method": result.method,
         "prefill": session.prefill_mode if session is not None else settings.prefill,
         "positions": session.positions if session is not None else None,
+        "all_dense": session.all_dense if session is not None else None,
         "rope_scaling": settings.rope_scaling,
         "weights": weights or settings.weights,
         "prompt_tokens": result.tokens_in,

@@ -38,6 +38,7 @@ class DecodeResult:
     device_kv_bytes_sparse_layers: int  # layers from dense_layers on (where ice is sparse)
     breakdown_ms: dict = field(default_factory=dict)
     pages_loaded_per_step: float = 0.0
+    all_dense: bool = False  # every layer kept dense (ice within dense_until: exact attention)
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -216,7 +217,7 @@ class DecodeTimer:
             prefill_s=self.prefill_s, tt2t_s=self.tt2t, tpot_ms=1000 * float(np.median(self.times)),
             tpot_p90_ms=1000 * float(np.percentile(self.times, 90)),
             device_kv_bytes=dev, host_kv_bytes=host, device_kv_bytes_sparse_layers=sparse,
-            breakdown_ms=breakdown, pages_loaded_per_step=loaded_pages)
+            breakdown_ms=breakdown, pages_loaded_per_step=loaded_pages, all_dense=session.all_dense)
 
 
 def _stats(cache):

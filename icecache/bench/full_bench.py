@@ -41,6 +41,7 @@ class BenchRow:
     method: str
     ctx: int
     positions: str = ""  # how the run set RoPE positions: remap or true (the session's choice)
+    all_dense: bool = False  # every layer kept dense (ice within dense_until: exact attention)
     status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap | failed (llama.cpp)
     reason: str = ""
     kv_source: str = ""
@@ -99,6 +100,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
                              else max(resident_before, resident_peak, r.device_kv_bytes))
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     row.positions = session.positions
+    row.all_dense = session.all_dense
     return row
 
 

@@ -57,6 +57,8 @@ class IceCache(Cache):
                 layers.append(anchor)
         super().__init__(layers=layers)
         self.num_dense = dense_layers
+        # every layer dense (a short run, methods.all_dense): exact attention, no pages
+        self.all_dense = dense_layers >= num_layers
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         current.set_current(self)
