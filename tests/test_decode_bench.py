@@ -150,6 +150,26 @@ def test_bench_skips_what_cannot_fit_and_hands_rows_over_as_measured(loaded, cpu
         assert r.device_kv_bytes + r.host_kv_bytes <= need.total, r.method
 
 
+def test_bench_keeps_prompt_queries_only_for_a_method_that_reads_them(loaded, cpu_settings, monkeypatch):
+    """The shared prefill records the prompt's queries (9% of its speed at 8k) only when a method
+    of the run reads them (snapkv, h2o); then that method's row still runs from them."""
+    from icecache.bench import full_bench
+
+    real = full_bench.prefill_once
+    seen = []
+
+    def spy(*args, observation=32, **kwargs):
+        seen.append(observation)
+        return real(*args, observation=observation, **kwargs)
+
+    monkeypatch.setattr(full_bench, "prefill_once", spy)
+    settings = cpu_settings.replace(budget=64)
+    full_bench.run_ctx(loaded, settings, ["full", "ice"], 300, steps=1, warmup=1)
+    rows = full_bench.run_ctx(loaded, settings, ["ice", "snapkv"], 300, steps=1, warmup=1)
+    assert seen == [0, 32]
+    assert [(r.method, r.status) for r in rows] == [("ice", "ok"), ("snapkv", "ok")]
+
+
 def test_bench_positions_measured_side_by_side(quick_profile):
     """`icecache bench --positions remap,true`: each positions value gets its own prefill and
     rows in one run (labelled with the session's choice), and a line compares their TPOT and

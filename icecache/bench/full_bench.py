@@ -201,7 +201,12 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
         return
     if ctx <= full_prefill_max:
         log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
-        pre = prefill_once(loaded, settings, ids, on_progress=on_progress)
+        # the prompt's queries are kept only for a method that reads them (snapkv, h2o): keeping
+        # them cost 9% of the prefill's speed at 8k (session 44), which a user's run never pays
+        from ..methods import get, reads_prompt_queries
+
+        observe = 32 if any(reads_prompt_queries(get(m)) for m in methods) else 0
+        pre = prefill_once(loaded, settings, ids, observation=observe, on_progress=on_progress)
         source = "full prefill (shared)"
         todo = methods
     else:
