@@ -97,6 +97,7 @@ class Runner:
         self.session = Session(loaded, settings, method)
         self.warn: Callable[[str], None] | None = None  # where warnings go (the CLI's stderr)
         self.note: Callable[[str], None] | None = None  # where the run's choices are said
+        self.budget_flag: int | None = None  # --budget as the user gave it (warned once if unused)
         self.session.doc_cache = doc_cache.for_settings(loaded.model, settings, self._warn)
 
     def _warn(self, message: str) -> None:
@@ -118,6 +119,11 @@ class Runner:
             scaled = f", RoPE {plan.rope_scaling}" if plan.rope_scaling != "none" else ""
             dense = (f", every layer dense (exact: the run fits dense_until, {plan.dense_until} tokens)"
                      if all_dense(self.method, self.loaded.model, plan, total) else "")
+            if dense and self.budget_flag is not None:
+                self._warn(f"--budget {self.budget_flag} has no effect on this run: its {total} tokens fit "
+                           f"dense_until ({plan.dense_until}), so every layer attends to every token "
+                           "(a profile with dense_until: 0 selects pages)")
+                self.budget_flag = None
             self.note(f"{plan.prefill} prefill, {plan.positions} positions{scaled}{dense} ({prompt_tokens} prompt "
                       f"tokens, {self.loaded.context_length} trained)")
         if total <= self.loaded.context_length or plan.positions == "remap" or plan.rope_scaling != "none":

@@ -136,6 +136,7 @@ def run_task(
         runner = Runner(loaded, settings, method)
         runner.warn = reporter.warn
         runner.note = reporter.info
+        runner.budget_flag = opts.budget
         stream = _hook_tokens(runner, reporter, loaded.tokenizer, max_new, segments,
                               out=write_out if stream_out else None, inside=inside and not as_json)
         reporter.phase("prefill")

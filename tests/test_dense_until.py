@@ -62,3 +62,18 @@ def test_a_short_ice_run_decodes_as_full_attention_and_a_longer_one_pages(loaded
     longer = ids[:600]  # shares the first 300 tokens with the cached prompt
     out, _ = s.generate(longer, 4)
     assert not s.all_dense and s.cache.stats.steps > 0 and len(out) == 4
+
+
+def test_the_command_line_says_a_short_run_is_dense_and_warns_of_an_unused_budget(quick_profile):
+    from .conftest import EXAMPLE, run_cli
+
+    r = run_cli(["summarize", str(EXAMPLE), "--max-new-tokens", "2", "--budget", "64", "--stats"], stdin=None)
+    err = r.stderr.decode()
+    assert r.returncode == 0, err[-2000:]
+    assert "every layer dense (exact: the run fits dense_until, 6144 tokens)" in err
+    assert err.count("--budget 64 has no effect on this run") == 1 and "all_dense=True" in err
+    paged = run_cli(["summarize", str(EXAMPLE), "--max-new-tokens", "2", "--budget", "64", "--stats",
+                     "--profile", quick_profile], stdin=None)  # dense_until: 0
+    err = paged.stderr.decode()
+    assert paged.returncode == 0 and "every layer dense" not in err and "has no effect" not in err
+    assert "all_dense=False" in err and "pages_selected_per_step" in err
