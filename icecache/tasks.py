@@ -98,6 +98,7 @@ class Runner:
         self.warn: Callable[[str], None] | None = None  # where warnings go (the CLI's stderr)
         self.note: Callable[[str], None] | None = None  # where the run's choices are said
         self.budget_flag: int | None = None  # --budget as the user gave it (warned once if unused)
+        self._noted = ""  # the last run plan said
         self.session.doc_cache = doc_cache.for_settings(loaded.model, settings, self._warn)
 
     def _warn(self, message: str) -> None:
@@ -124,8 +125,11 @@ class Runner:
                            f"dense_until ({plan.dense_until}), so every layer attends to every token "
                            "(a profile with dense_until: 0 selects pages)")
                 self.budget_flag = None
-            self.note(f"{plan.prefill} prefill, {plan.positions} positions{scaled}{dense} ({prompt_tokens} prompt "
-                      f"tokens, {self.loaded.context_length} trained)")
+            line = (f"{plan.prefill} prefill, {plan.positions} positions{scaled}{dense} ({prompt_tokens} prompt "
+                    f"tokens, {self.loaded.context_length} trained)")
+            if line != self._noted:  # a document's check and its first question plan the same run
+                self.note(line)
+                self._noted = line
         if total <= self.loaded.context_length or plan.positions == "remap" or plan.rope_scaling != "none":
             return None
         return (f"{total} tokens go past the {self.loaded.context_length} positions "
