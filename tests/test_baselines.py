@@ -146,6 +146,32 @@ def test_query_grid_keeps_a_uniform_grid_and_the_tail():
     assert small.arrays(30)[1].tolist() == list(range(30))
 
 
+def test_query_grid_adds_a_chunk_as_its_definition_says():
+    """``add`` picks a chunk's kept positions at once. After any sequence of chunks, the grid
+    holds exactly the positions its definition keeps: every ``stride``-th and the last ``tail``,
+    with ``stride`` the smallest power of two that keeps at most ``limit + tail``. Each entry is
+    its query in float16, in its own small storage."""
+    torch.manual_seed(3)
+    chunks = [torch.randn(3, n, 4) for n in (70, 1, 33, 128, 5, 64)]
+    every = torch.cat(chunks, dim=1)
+    grid = QueryGrid(limit=12, tail=5)
+    for i, c in enumerate(chunks):
+        grid.add(c)
+        last = sum(x.shape[1] for x in chunks[: i + 1]) - 1
+
+        def kept(stride, last=last):
+            return [p for p in range(last + 1) if (p + 1) % stride == 0 or p > last - 5]
+
+        stride = 1
+        while len(kept(stride)) > 12 + 5:
+            stride *= 2
+        assert grid.stride == stride and sorted(grid.queries) == kept(stride)
+        for p, q in grid.queries.items():
+            assert torch.equal(q, every[:, p].to(torch.float16))
+            assert q.untyped_storage().nbytes() == 3 * 4 * 2  # not a view of the chunk's copy
+    assert grid.stride > 1
+
+
 # -- H2O -----------------------------------------------------------------------------------------
 def test_h2o_prompt_scores_match_a_dense_recomputation():
     from icecache.cache.selectors.h2o import prompt_scores
