@@ -210,6 +210,8 @@ def print_bench_table(rows, n: int, label: str = "") -> None:
     for r in rows:
         b = r.breakdown_ms
         parts = "/".join(f"{b[k]:.0f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
+        if getattr(r, "all_dense", False):
+            parts = "dense"  # every layer dense (dense_until): no page was selected
         if r.status != "ok":
             notes.append(f"{r.method}: {r.status}" + (f" ({r.reason})" if r.reason else ""))
             t.add_row(escape(r.method), *(["-"] * 10))
@@ -223,8 +225,9 @@ def print_bench_table(rows, n: int, label: str = "") -> None:
     stderr.print(t)
     stderr.print("TT2T: time to the second token, s; tok/s: prefill; TPOT, p90: ms per output token; "
                  "xfull, xdense: times faster than full, dense; q/ld/at/rest: index query, page "
-                 "loading, attention, rest of the model, ms; KV: resident KV (device pool + dense "
-                 "layers), MiB; host: host store, MiB; RSS: peak process RSS, GiB.",
+                 "loading, attention, rest of the model, ms (dense: every layer dense, within "
+                 "dense_until); KV: resident KV (device pool + dense layers), MiB; host: host store, "
+                 "MiB; RSS: peak process RSS, GiB.",
                  style="dim", markup=False)
     for src, methods in sources.items():
         stderr.print(f"KV from {src}: {', '.join(methods)}", style="dim", markup=False)

@@ -77,3 +77,18 @@ def test_the_command_line_says_a_short_run_is_dense_and_warns_of_an_unused_budge
     err = paged.stderr.decode()
     assert paged.returncode == 0 and "every layer dense" not in err and "has no effect" not in err
     assert "all_dense=False" in err and "pages_selected_per_step" in err
+
+
+def test_bench_rows_say_a_dense_run():
+    import json
+
+    from .conftest import run_cli
+
+    r = run_cli(["bench", "--ctx", "300", "--methods", "full,ice", "--decode-steps", "2", "--json"])
+    err = r.stderr.decode()
+    assert r.returncode == 0, err[-2000:]
+    rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
+    assert [(x["method"], x["all_dense"]) for x in rows] == [("full", False), ("ice", True)]
+    assert "ice at 300 tokens (true positions, every layer dense: within dense_until)" in err
+    table = [line.split() for line in err.splitlines() if line.startswith(("full ", "ice "))]
+    assert [(row[0], "dense" in row) for row in table] == [("full", False), ("ice", True)]
