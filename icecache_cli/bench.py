@@ -184,7 +184,7 @@ def positions_ratios(by_positions: dict[str, list]) -> list[str]:
 
 def row_line(r) -> str:
     """One row as one status line."""
-    dense = ", every layer dense: within dense_until" if getattr(r, "all_dense", False) else ""
+    dense = ", every layer dense: within dense_until" if r.all_dense else ""
     head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions{dense})" if r.positions else "") + ": "
     if r.status != "ok":
         return head + r.status + (f" ({r.reason})" if r.reason else "")
@@ -210,7 +210,7 @@ def print_bench_table(rows, n: int, label: str = "") -> None:
     for r in rows:
         b = r.breakdown_ms
         parts = "/".join(f"{b[k]:.0f}" for k in ("index_query", "page_loading", "ice_attention", "rest_of_model")) if b else "-"
-        if getattr(r, "all_dense", False):
+        if r.all_dense:
             parts = "dense"  # every layer dense (dense_until): no page was selected
         if r.status != "ok":
             notes.append(f"{r.method}: {r.status}" + (f" ({r.reason})" if r.reason else ""))

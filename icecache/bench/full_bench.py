@@ -31,6 +31,7 @@ import torch
 from ..generation import Prefilled, Session, prefill_once
 from ..measure import PeakRss, kv_bytes
 from ..memory import Need, available_bytes, need_bytes, shortfall
+from ..methods import get, reads_prompt_queries
 from . import llama_cpp
 from .decode_bench import context_ids, time_decode
 from .warm import ensure_warm
@@ -203,8 +204,6 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
         log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
         # the prompt's queries are kept only for a method that reads them (snapkv, h2o): keeping
         # them cost 9% of the prefill's speed at 8k (session 44), which a user's run never pays
-        from ..methods import get, reads_prompt_queries
-
         observe = 32 if any(reads_prompt_queries(get(m)) for m in methods) else 0
         pre = prefill_once(loaded, settings, ids, observation=observe, on_progress=on_progress)
         source = "full prefill (shared)"

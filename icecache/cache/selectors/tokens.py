@@ -152,13 +152,14 @@ class QueryGrid:
         # only they are copied. Copying every position the old stride kept (most of them
         # dropped right after), one by one, cost 9% of an 8k prefill's speed; now about 3%
         # (session 44).
-        every = np.unique(np.concatenate([np.fromiter(self.queries, np.int64, len(self.queries)), positions]))
+        held = np.fromiter(self.queries, np.int64, len(self.queries))
+        every = np.unique(np.concatenate([held, positions]))
         stride = self.stride
         while np.count_nonzero(self._kept_mask(every, self.stride)) > self.limit + self.tail:
             self.stride *= 2
         kept = np.flatnonzero(self._kept_mask(positions, self.stride))
         if moved or self.stride != stride:  # off the grid and no longer in the tail: dropped
-            self.queries = {p: q for p, q in self.queries.items() if self._kept(p)}
+            self.queries = {p: self.queries[p] for p in held[self._kept_mask(held, self.stride)].tolist()}
         if len(kept):
             # one float16 copy of the kept queries, then one small copy each (a view would keep
             # the whole copy alive)
@@ -167,10 +168,8 @@ class QueryGrid:
                 self.queries[p] = picked[:, j].clone()
 
     def _kept_mask(self, positions: np.ndarray, stride: int) -> np.ndarray:
+        """Which ``positions`` a grid of ``stride`` keeps: its points and the tail."""
         return ((positions + 1) % stride == 0) | (positions > self.last - self.tail)
-
-    def _kept(self, p: int) -> bool:
-        return (p + 1) % self.stride == 0 or p > self.last - self.tail
 
     def merge(self, other: QueryGrid) -> None:
         for p, q in sorted(other.queries.items()):
