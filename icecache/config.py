@@ -27,6 +27,7 @@ from .errors import ProfileError
 DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
+DENSE_KV = ("model", "bfloat16", "auto")
 POSITIONS = ("auto", "true", "remap")
 REMAP_PAGES = ("ordered", "one", "scaled", "spread")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
@@ -65,6 +66,11 @@ class Settings:
     # dense, attending to every token (exact), where that is faster than selecting pages
     # (0: never; with true positions and a full prefill only). icecache.methods.all_dense
     dense_until: int = 0
+    # dense layers' keys and values while decoding (ice's dense layers, every layer of a dense_until
+    # run, the dense method): "model" (the model's dtype), "bfloat16", or "auto" (bfloat16 for a
+    # float32 model on a CPU that multiplies bfloat16 natively); the prompt is computed in the
+    # model's dtype either way
+    dense_kv: str = "model"
     index_beam: int = 32  # DCI-tree nodes expanded per level in a decode-step query
     index_beam_frac: float = 0.001  # ... at least this share of the indexed keys (authors: 0.001)
     # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
@@ -275,6 +281,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("doc_cache_gib", "must be >= 0 (0: no cap)")
     if s.doc_cache_min_tokens < 1:
         raise bad("doc_cache_min_tokens", "must be >= 1")
+    if s.dense_kv not in DENSE_KV:
+        raise bad("dense_kv", f"must be one of {', '.join(DENSE_KV)}")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     edges = (s.sink_pages + s.window_pages) * s.page_size

@@ -48,9 +48,10 @@ SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "devic
 # the threads change a state only by float rounding.
 # ``remap_pin_gap`` places rows only once answer passages are pinned, after the prompt's end,
 # never in a saved document prefix. ``dense_until`` decides whether a run has sparse layers at
-# all; a run that has them holds the same state whatever its value.
+# all; a run that has them holds the same state whatever its value. ``dense_kv`` takes effect at
+# the first decode step, after any prefix is saved (and a cache already converted saves nothing).
 STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads",
-                           "fast_step", "remap_pin_gap", "dense_until"})
+                           "fast_step", "remap_pin_gap", "dense_until", "dense_kv"})
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.

@@ -382,6 +382,10 @@ class Session:
         return prefix, self.doc_cache.with_kind(kind)
 
     def _save_prefix(self, ids: list[int], dc) -> None:
+        dtype = self.loaded.model.dtype
+        if any(getattr(layer, "keys", None) is not None and layer.keys.dtype != dtype
+               for layer in self.cache.layers):
+            return  # keys already taken to a decode dtype (dense_kv) are not the prompt's exact ones
         if dc is self.doc_cache:  # a full prefill: every layer's keys and values
             dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers])
             return

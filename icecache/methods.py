@@ -179,6 +179,22 @@ def host_dtype(settings: Settings) -> str | None:
     return None if settings.host_dtype == settings.dtype else settings.host_dtype
 
 
+def dense_kv_dtype(settings: Settings, device: Any = "cpu") -> Any:
+    """The dtype dense layers hold their keys and values in while decoding (None: the model's;
+    ``settings.dense_kv``). ``auto`` takes bfloat16 for a float32 model on a CPU that multiplies
+    it natively (:func:`~.cache.dense.native_bf16`), where a dense step reads half the bytes."""
+    import torch
+
+    if settings.dense_kv == "model" or settings.dtype == "bfloat16":
+        return None
+    if settings.dense_kv == "auto":
+        from .cache.dense import native_bf16
+
+        if torch.device(device).type != "cpu" or settings.dtype != "float32" or not native_bf16():
+            return None
+    return torch.bfloat16
+
+
 def attention_name(method: Method) -> str:
     """Register (once) and return the attention implementation ``method`` runs with."""
     if method.cache == "sdpa":
@@ -296,7 +312,7 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
         return IceCache(layers, spec, dense_layers=layers if dense else settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
                         device=model.device,
-                        remap=remap,
+                        remap=remap, dense_kv=dense_kv_dtype(settings, model.device),
                         anchors=anchor_layers(m, layers, settings.dense_layers) if m.reuse else None)
     positions(method, model, settings, tokens)  # an explicit remap is an error here
     if m.cache == "oracle":
@@ -309,7 +325,7 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
     if m.cache == "dense":
         from .cache import DenseCache
 
-        return DenseCache(layers)
+        return DenseCache(layers, dense_kv_dtype(settings, model.device))
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)

@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import doc_cache, prompts
+from .cache.dense import GrowingLayer
 from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
-from .methods import all_dense, check_method, get, plan_run
+from .methods import all_dense, check_method, dense_kv_dtype, get, plan_run
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
@@ -118,8 +119,13 @@ class Runner:
         plan = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens, max_new_tokens)
         if self.note:
             scaled = f", RoPE {plan.rope_scaling}" if plan.rope_scaling != "none" else ""
-            dense = (f", every layer dense (exact: the run fits dense_until, {plan.dense_until} tokens)"
-                     if all_dense(self.method, self.loaded.model, plan, total) else "")
+            dense = ""
+            if all_dense(self.method, self.loaded.model, plan, total):
+                half = (dense_kv_dtype(plan, self.loaded.model.device) is not None
+                        and total > GrowingLayer.decode_min_rows)  # (shorter runs keep float keys)
+                dense = (f", every layer dense (the run fits dense_until, {plan.dense_until} tokens; "
+                         "bfloat16 keys and values)" if half else
+                         f", every layer dense (exact: the run fits dense_until, {plan.dense_until} tokens)")
             if dense and self.budget_flag is not None:
                 self._warn(f"--budget {self.budget_flag} has no effect on this run: its {total} tokens fit "
                            f"dense_until ({plan.dense_until}), so every layer attends to every token "

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import os
 
+import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
@@ -25,9 +26,21 @@ from .chunked import prefix_causal, sdpa_forward
 
 
 class GrowingLayer(DynamicLayer):
-    """``DynamicLayer`` semantics (``keys``/``values`` are (B, H, n, d)) with in-place growth."""
+    """``DynamicLayer`` semantics (``keys``/``values`` are (B, H, n, d)) with in-place growth.
+
+    ``decode_dtype`` (e.g. bfloat16 for a float32 model on a CPU that multiplies bfloat16
+    natively, :func:`native_bf16`): the prompt is computed and kept in the model's dtype, and the
+    first decode step with at least ``decode_min_rows`` rows converts the layer's keys and values
+    to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt chunk that comes after that
+    (a second question over a cropped cache) is handed float copies."""
 
     min_capacity = 256
+    # fewer rows stay in the model's dtype: at 1k tokens float32's products were faster
+    decode_min_rows = 2048
+
+    def __init__(self, decode_dtype: torch.dtype | None = None):
+        super().__init__()
+        self.decode_dtype = decode_dtype
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
@@ -40,8 +53,12 @@ class GrowingLayer(DynamicLayer):
             return
         new_cap = max(need + self.min_capacity, cap + cap // 8)
         B, H, _, dk = like_k.shape
-        k = torch.empty((B, H, new_cap, dk), dtype=like_k.dtype, device=like_k.device)
-        v = torch.empty((B, H, new_cap, like_v.shape[3]), dtype=like_v.dtype, device=like_v.device)
+        kd = like_k.dtype if self._k is None else self._k.dtype  # (a decode dtype, once taken, stays)
+        vd = like_v.dtype if self._v is None else self._v.dtype
+        # (a 16-bit decode reads past the filled rows, so they are zeros there, not garbage)
+        alloc = torch.zeros if self.decode_dtype is not None else torch.empty
+        k = alloc((B, H, new_cap, dk), dtype=kd, device=like_k.device)
+        v = alloc((B, H, new_cap, like_v.shape[3]), dtype=vd, device=like_v.device)
         if self._n:
             k[:, :, : self._n] = self._k[:, :, : self._n]
             v[:, :, : self._n] = self._v[:, :, : self._n]
@@ -53,12 +70,17 @@ class GrowingLayer(DynamicLayer):
         q = key_states.shape[2]
         if self._k is not None and key_states.shape[0] != self._k.shape[0]:
             raise ValueError("batch size changed within one cache")
+        if (q == 1 and self.decode_dtype is not None and self._n >= self.decode_min_rows
+                and self._k.dtype != self.decode_dtype):
+            self._k, self._v = self._k.to(self.decode_dtype), self._v.to(self.decode_dtype)
         self._reserve(self._n + q, key_states, value_states)
         self._k[:, :, self._n : self._n + q] = key_states
         self._v[:, :, self._n : self._n + q] = value_states
         self._n += q
         self.keys = self._k[:, :, : self._n]
         self.values = self._v[:, :, : self._n]
+        if q > 1 and self._k.dtype != key_states.dtype:  # a prompt chunk attends in the model's dtype
+            return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -94,11 +116,27 @@ class GrowingLayer(DynamicLayer):
 class DenseCache(Cache):
     """Every layer a :class:`GrowingLayer`: full attention without the per-step concatenation."""
 
-    def __init__(self, num_layers: int):
-        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, decode_dtype: torch.dtype | None = None):
+        super().__init__(layers=[GrowingLayer(decode_dtype) for _ in range(num_layers)])
 
     def device_kv_bytes(self) -> int:
         return sum(layer.device_bytes() for layer in self.layers)
+
+
+def native_bf16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; read from Linux's
+    /proc/cpuinfo, False elsewhere). There torch's bfloat16 products read half the bytes at about
+    float32's speed per element: a decode step over 30 dense layers of 8k tokens took 12.8 vs
+    17.6 ms (docs/results.md, session 45)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool(flags & {"avx512_bf16", "amx_bf16"})
+    except OSError:
+        pass
+    return False
 
 
 DENSE_KERNEL = os.environ.get("ICECACHE_DENSE_KERNEL", "1") != "0"
@@ -115,6 +153,45 @@ def _rows_buffer(t: torch.Tensor):
     return torch.as_strided(t, (H, sh // d, d), (sh, d, 1)).numpy()
 
 
+HALF_VALUES_PER_HEAD = 65536  # longer caches: the value product head by head (2x faster at 131k)
+HALF_NUMBA = os.environ.get("ICECACHE_HALF_NUMBA", "1") != "0"
+HALF_ROWS = 256  # a 16-bit decode reads rows in multiples of this (see _half_decode)
+
+
+def _half_decode(q, k, v, scaling):
+    """:func:`dense_decode` over 16-bit keys and values: q (H, G, d) float32; k, v (H, T, d)
+    views of a growing layer (rows contiguous per head, heads a capacity apart) -> (H, G, d).
+
+    torch's bfloat16 products (oneDNN) prepare a kernel for each new shape, so a cache one row
+    longer at every step paid that each time: 19.8 against 13.3 ms per step over 30 layers of 8k
+    rows. The products therefore run over the rows rounded up to a multiple of ``HALF_ROWS``
+    (within the buffer's capacity, whose unused rows a growing layer keeps at zero), the extra
+    rows' scores set to -inf. Each head's scores are keys x query (on such views 4x faster than
+    query x keys^T, which copies the keys); softmax in float32."""
+    H, G, d = q.shape
+    T = k.shape[1]
+    sh, sr, _ = k.stride()
+    padded = min(-(-T // HALF_ROWS) * HALF_ROWS, sh // sr if sr else T)
+    if padded > T and v.stride() == k.stride():
+        k = torch.as_strided(k, (H, padded, d), k.stride())
+        v = torch.as_strided(v, (H, padded, d), v.stride())
+    bits = _rows_buffer(k[:, :T].view(torch.int16)) if HALF_NUMBA and k.dtype == torch.bfloat16 else None
+    if bits is not None:
+        from .kernels import half_scores
+
+        scores = torch.empty((H, G, k.shape[1]), dtype=torch.float32)
+        half_scores(q.detach().contiguous().numpy(), bits.view(np.uint16), T, True, scores.numpy())
+    else:
+        qh = q.to(k.dtype)
+        scores = torch.stack([torch.mm(k[h], qh[h].t()) for h in range(H)]).transpose(1, 2).float()  # (H, G, T')
+    if scores.shape[2] > T:
+        scores[:, :, T:] = float("-inf")
+    probs = torch.softmax(scores.mul_(scaling), dim=-1).to(v.dtype)
+    if k.shape[1] <= HALF_VALUES_PER_HEAD:
+        return torch.matmul(probs, v)
+    return torch.stack([torch.mm(probs[h], v[h]) for h in range(H)])
+
+
 def dense_decode(query, key, value, scaling):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
@@ -125,6 +202,8 @@ def dense_decode(query, key, value, scaling):
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
+    if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
+        return _half_decode(q, key[0], value[0], scaling).to(query.dtype).reshape(1, 1, Hq, d)
     if (DENSE_KERNEL and T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
             and key.dtype == torch.float32 and query.dtype == torch.float32):
         k = _rows_buffer(key[0])

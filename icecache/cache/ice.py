@@ -32,7 +32,7 @@ from .spec import IceSpec, StepStats
 class IceCache(Cache):
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
                  reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None,
-                 anchors: frozenset[int] | None = None):
+                 anchors: frozenset[int] | None = None, dense_kv: torch.dtype | None = None):
         self.spec = spec
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
@@ -42,7 +42,7 @@ class IceCache(Cache):
         anchor = None
         for i in range(num_layers):
             if i < dense_layers:
-                layers.append(GrowingLayer() if remap is None else
+                layers.append(GrowingLayer(dense_kv) if remap is None else
                               RemapDenseLayer(remap, spec.sink_tokens, spec.dense_window))
                 continue
             if anchors is not None:

@@ -1,0 +1,118 @@
+"""``dense_kv``: dense layers decode from bfloat16 keys and values (the prompt computed in float)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+
+def _filled(T: int, H: int = 3, d: int = 16, seed: int = 0):
+    from icecache.cache.dense import GrowingLayer
+
+    g = torch.Generator().manual_seed(seed)
+    layer = GrowingLayer(torch.bfloat16)
+    layer.decode_min_rows = 1
+    k = torch.randn(1, H, T - 1, d, generator=g)
+    v = torch.randn(1, H, T - 1, d, generator=g)
+    layer.update(k, v)  # a prompt chunk
+    k1, v1 = torch.randn(1, H, 1, d, generator=g), torch.randn(1, H, 1, d, generator=g)
+    keys, values = layer.update(k1, v1)  # the first decode step converts
+    return layer, torch.cat([k, k1], 2), torch.cat([v, v1], 2), keys, values
+
+
+def test_a_growing_layer_takes_the_decode_dtype_at_its_first_long_decode_step():
+    from icecache.cache.dense import GrowingLayer
+
+    layer = GrowingLayer(torch.bfloat16)  # decode_min_rows: 2048
+    k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
+    keys, values = layer.update(k, v)
+    assert keys.dtype == torch.float32 and torch.equal(keys, k)  # the prompt stays exact
+    keys, _ = layer.update(k[:, :, :1], v[:, :, :1])
+    assert keys.dtype == torch.float32  # 41 rows: below decode_min_rows, still float
+    layer.decode_min_rows = 41
+    keys, values = layer.update(k[:, :, 1:2], v[:, :, 1:2])
+    assert keys.dtype == values.dtype == torch.bfloat16 and keys.shape[2] == 42
+    assert torch.equal(keys[:, :, :40], k.bfloat16()) and torch.equal(values[:, :, 41], v[:, :, 1].bfloat16())
+    assert not layer._k[:, :, 42:].any()  # unused rows are zeros (a padded decode reads them)
+    # a prompt chunk after that (a second question) attends in float: copies of the held rows
+    more = torch.randn(1, 2, 300, 8)  # grows the buffer too
+    keys, values = layer.update(more, more)
+    assert keys.dtype == torch.float32 and keys.shape[2] == 342
+    assert torch.equal(keys[:, :, 42:], more.bfloat16().float())
+    assert layer.keys.dtype == torch.bfloat16 and not layer._k[:, :, 342:].any()
+    layer.crop(-300)
+    assert layer.get_seq_length() == 42 and layer.keys.shape[2] == 42
+    assert layer.device_bytes() == 2 * layer._k.numel() * 2  # half of float32's
+
+
+@pytest.mark.parametrize("T", [300, 256, 1000, 70_001])
+@pytest.mark.parametrize("numba_scores", [True, False])
+def test_a_16_bit_decode_equals_attention_over_the_rounded_rows(T, numba_scores, monkeypatch):
+    """Against :func:`paged_decode_reference` in float32 over the same bfloat16 rows (and within
+    bfloat16's rounding of the float32 rows themselves). T not a multiple of the padded blocks,
+    and past the length where the value product goes head by head."""
+    from icecache.cache import dense
+    from icecache.cache.paged import paged_decode_reference
+
+    monkeypatch.setattr(dense, "HALF_NUMBA", numba_scores)
+    layer, k, v, keys, values = _filled(T, d=16 if T < 10_000 else 8)
+    H, d = k.shape[1], k.shape[3]
+    g = torch.Generator().manual_seed(1)
+    query = torch.randn(1, 3 * H, 1, d, generator=g) * 2
+    got = dense.dense_decode(query, keys, values, d**-0.5)
+    assert got.dtype == torch.float32 and got.shape == (1, 1, 3 * H, d)
+    q = query[0, :, 0].reshape(H, 3, d)
+    valid = torch.ones(H, T, dtype=torch.bool)
+    rounded = paged_decode_reference(q, keys[0].float(), values[0].float(), valid, d**-0.5)
+    exact = paged_decode_reference(q, k[0], v[0], valid, d**-0.5)
+    got = got.reshape(H, 3, d)
+    # the probabilities meet the values in bfloat16 (8 bits): about 0.4% of each term
+    assert torch.allclose(got, rounded, atol=2e-2, rtol=2e-2), (got - rounded).abs().max()
+    assert torch.allclose(got, exact, atol=5e-2, rtol=5e-2), (got - exact).abs().max()
+    if numba_scores:  # (the query stays float32 there; torch's products round it too)
+        assert (got - rounded).abs().max() < 0.5 * (exact - rounded).abs().max() + 1e-2
+
+
+def test_the_dense_kv_setting_picks_bfloat16_where_the_cpu_multiplies_it(monkeypatch):
+    from icecache.cache import dense
+    from icecache.config import Settings, validate
+    from icecache.errors import ProfileError
+    from icecache.methods import dense_kv_dtype
+
+    s = Settings()
+    assert dense_kv_dtype(s) is None  # "model": the default
+    assert dense_kv_dtype(s.replace(dense_kv="bfloat16")) == torch.bfloat16
+    assert dense_kv_dtype(s.replace(dense_kv="bfloat16", dtype="bfloat16")) is None  # already 16 bits
+    monkeypatch.setattr(dense, "native_bf16", lambda: True)
+    auto = s.replace(dense_kv="auto")
+    assert dense_kv_dtype(auto, "cpu") == torch.bfloat16
+    assert dense_kv_dtype(auto, "cuda") is None
+    assert dense_kv_dtype(auto.replace(dtype="float16"), "cpu") is None
+    monkeypatch.setattr(dense, "native_bf16", lambda: False)
+    assert dense_kv_dtype(auto, "cpu") is None
+    with pytest.raises(ProfileError, match="dense_kv"):
+        validate(s.replace(dense_kv="int8"), "test")
+
+
+def test_a_dense_session_decodes_from_bfloat16_close_to_float(loaded, cpu_settings, monkeypatch):
+    """The ``dense`` method and an all-dense ice run with ``dense_kv: bfloat16``: the layers turn
+    to bfloat16 once decoding starts past ``decode_min_rows``, the logits stay close to float's,
+    and the greedy tokens are float's here."""
+    from icecache.cache.dense import GrowingLayer
+    from icecache.generation import Session
+
+    monkeypatch.setattr(GrowingLayer, "decode_min_rows", 64)
+    text = " ".join(f"Bay {i}: the crane moved crate {i * 7 % 89} to the north quay." for i in range(30))
+    ids = loaded.tokenizer(text)["input_ids"][:260]
+    for method, extra in (("dense", {}), ("ice", {"dense_until": 400})):
+        settings = cpu_settings.replace(prefill="full", positions="true", **extra)
+        ref = Session(loaded, settings.replace(dense_kv="model"), method)
+        half = Session(loaded, settings.replace(dense_kv="bfloat16"), method)
+        a, _ = ref.generate(ids, 6)
+        b, _ = half.generate(ids, 6)
+        assert all(layer.keys.dtype == torch.float32 for layer in ref.cache.layers)
+        assert all(layer.keys.dtype == torch.bfloat16 for layer in half.cache.layers), method
+        assert a == b, method
+        with torch.inference_mode():
+            la, lb = ref.forward([a[-1]]), half.forward([b[-1]])
+        assert (la - lb).abs().max() < 0.05 * la.abs().max(), method
