@@ -392,7 +392,8 @@ def decode(
                 timers = []
                 for label, method, method_settings in variants:
                     rep.info(f"{label} at {n} tokens: warming up ...")
-                    timers.append(decode_bench.start(loaded, method_settings, method, shared, linears=linears))
+                    timers.append(decode_bench.start(loaded, method_settings, method, shared, linears=linears,
+                                                       steps=steps))
                 rep.info(f"decoding: {steps} timed steps per method in {turns} interleaved rounds ...")
                 timed = decode_bench.interleaved(timers, steps, turns)
                 del timers

@@ -51,7 +51,7 @@ def evaluate(
             if t not in runner.TASKS:
                 raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
         # eval measures the methods at their budgets: ice keeps its sparse layers on short
-        # documents too, unless a variant says otherwise ('ice[dense_until=6144]')
+        # documents too, unless a variant says otherwise ('ice[dense_until=8192]')
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
                                     rope_scaling=rope_scaling, weights=weights).replace(dense_until=0)
         method_list, variants = [], {}

@@ -244,3 +244,16 @@ def test_bench_decode_command_rounds(rounds, quick_profile):
     assert rows[0]["tpot_ratio_vs_full"] == 1.0 and rows[1]["host_kv_bytes"] > 0
     assert ("interleaved rounds" in r.stderr.decode()) == (rounds == "2")
     assert all(("linears" in x["breakdown_ms"]) == bool(extra) for x in rows)
+
+
+def test_the_bench_plans_a_run_for_the_tokens_it_decodes(loaded, cpu_settings):
+    """A timed session is planned as a user's run of prompt + decoded tokens: ``dense_until``
+    (and ``positions: auto``) see the steps too, not the prompt alone."""
+    from icecache.bench import decode_bench
+
+    settings = cpu_settings.replace(dense_until=305, prefill="auto", positions="auto")
+    shared = decode_bench.prefill(loaded, settings, 300)
+    fits = decode_bench.start(loaded, settings, "ice", shared, warmup=2, steps=2)  # 300 + 5
+    assert fits.session.all_dense and fits.session.new_tokens == 5
+    over = decode_bench.start(loaded, settings, "ice", shared, warmup=2, steps=3)  # 300 + 6
+    assert not over.session.all_dense and over.session.cache.stats.steps > 0

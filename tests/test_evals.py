@@ -78,7 +78,7 @@ def test_eval_command_json_and_resume(tmp_path):
     assert all(x["n"] == 2 and 0 <= x["score"] <= 1 for x in rows)
     config = json.loads((tmp_path / "config.json").read_text())
     assert config["n"] == 2
-    assert config["settings"]["dense_until"] == 0  # ice's pages measured on short documents too (cpu profile: 6144)
+    assert config["settings"]["dense_until"] == 0  # ice's pages measured on short documents too (cpu profile: 8192)
     again = run_cli(args)  # everything already there: nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr.decode()
     assert json.loads(again.stdout.decode().strip().splitlines()[-1])["results"] == rows

@@ -70,17 +70,19 @@ def run(loaded, settings, method: str, ctx: int, steps: int = 16, warmup: int = 
     """Decode timing for ``method``; ``shared`` = a :func:`prefill` result to start from;
     ``linears``: time the linear layers too (:class:`LinearClock`)."""
     pre = shared or prefill(loaded, settings, ctx, on_progress)
-    timer = start(loaded, settings, method, pre, warmup, linears)
+    timer = start(loaded, settings, method, pre, warmup, linears, steps=steps)
     timer.advance(steps)
     return timer.result()
 
 
 def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2,
-          linears: bool = False) -> DecodeTimer:
+          linears: bool = False, steps: int = 0) -> DecodeTimer:
     """A :class:`DecodeTimer` for ``method`` from a copy of the prefill ``pre`` (its warm-up
-    steps done)."""
+    steps done). The run is planned (positions, ``dense_until``) for the prompt and the
+    ``warmup + steps + 1`` tokens it decodes, as a user's run of that length is."""
     ensure_warm(loaded, settings, [method])
     session = Session(loaded, settings, method)
+    session.new_tokens = warmup + steps + 1
     session.adopt(pre)
     return DecodeTimer(session, pre.logits, pre.seconds, warmup, linears=linears)
 

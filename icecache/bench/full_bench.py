@@ -211,6 +211,7 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
     else:
         log(f"sparse prefill of {ctx} tokens (ice) ...")
         session = Session(loaded, settings.replace(prefill="sparse"), "ice")
+        session.new_tokens = warmup + steps + 1
         with PeakRss() as peak:
             _, stats = session.prefill(ids, on_progress, hold_tail=True)
             # the chunks' pool and window are resident until the prompt's stepped end shrinks them
@@ -244,6 +245,7 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
         log(f"{method} at {ctx} tokens: decoding ...")
         try:
             session = Session(loaded, settings, method)
+            session.new_tokens = warmup + steps + 1  # planned as a user's run of this length
             session.adopt(pre)
         except (MemoryError, torch.OutOfMemoryError) as exc:
             row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
