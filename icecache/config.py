@@ -71,6 +71,10 @@ class Settings:
     # float32 model on a CPU that multiplies bfloat16 natively); the prompt is computed in the
     # model's dtype either way
     dense_kv: str = "model"
+    # the prompt's products (the int4 layers' many-row products and the chunks' attention):
+    # "model" (the model's dtype), "bfloat16" (float32 sums), or "auto" (bfloat16 for a float32
+    # model on a CPU that multiplies bfloat16 natively)
+    prompt_compute: str = "model"
     index_beam: int = 32  # DCI-tree nodes expanded per level in a decode-step query
     index_beam_frac: float = 0.001  # ... at least this share of the indexed keys (authors: 0.001)
     # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
@@ -283,6 +287,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("doc_cache_min_tokens", "must be >= 1")
     if s.dense_kv not in DENSE_KV:
         raise bad("dense_kv", f"must be one of {', '.join(DENSE_KV)}")
+    if s.prompt_compute not in DENSE_KV:
+        raise bad("prompt_compute", f"must be one of {', '.join(DENSE_KV)}")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     edges = (s.sink_pages + s.window_pages) * s.page_size

@@ -88,6 +88,18 @@ def model_identity(model: Any) -> dict:
             "config_sha256": hashlib.sha256(blob).hexdigest()[:16]}
 
 
+def _prompt_identity(model: Any, settings: Any) -> dict:
+    """A prompt computed in 16 bits (``prompt_compute``, as resolved on this machine) is not the
+    float prompt's: it names its own entries (float entries keep their names)."""
+    from .methods import prompt_half
+
+    try:
+        half = prompt_half(settings, getattr(model, "device", "cpu"))
+    except AttributeError:  # (settings without the key: a test's stand-in)
+        return {}
+    return {} if half is None else {"prompt_compute": str(half).removeprefix("torch.")}
+
+
 def tokens_hash(ids) -> str:
     return hashlib.sha256(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
 
@@ -106,7 +118,8 @@ class DocCache:
         self.warn = warn or (lambda _m: None)
         self.identity = {"format": FORMAT, **model_identity(model),
                          **{k: getattr(settings, k) for k in SHAPING},
-                         **{k: getattr(settings, k) for k, v in SHAPING_IF_SET.items() if getattr(settings, k) != v}}
+                         **{k: getattr(settings, k) for k, v in SHAPING_IF_SET.items() if getattr(settings, k) != v},
+                         **_prompt_identity(model, settings)}
         self._ident_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 
     def with_kind(self, kind: dict) -> DocCache:

@@ -17,7 +17,7 @@ import torch
 from .config import Settings
 from .fast_step import fast_step_for
 from .memory import return_freed
-from .methods import make_cache, plan_run, prepare_model
+from .methods import make_cache, plan_run, prepare_model, prompt_half
 from .models import LoadedModel
 from .weights import prompt_products
 
@@ -123,7 +123,7 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     cache = DenseCache(model.config.num_hidden_layers)
     t0 = time.perf_counter()
     chunk = settings.chunk_size
-    with prompt_products():
+    with prompt_products(prompt_half(settings, model.device)):
         for lo in range(0, len(ids), chunk):
             x = torch.tensor([ids[lo : lo + chunk]], dtype=torch.long, device=model.device)
             out = model(input_ids=x, past_key_values=cache, use_cache=True, logits_to_keep=1)
@@ -328,7 +328,7 @@ class Session:
         # from there, so both compute the same chunks).
         bounds = (chunk_bounds(start, save_at, run.chunk_size) + chunk_bounds(save_at, cut, run.chunk_size)
                   if save_at else chunk_bounds(start, cut, run.chunk_size))
-        with prompt_products():
+        with prompt_products(prompt_half(run, self.loaded.model.device)):
             for lo, hi in bounds:
                 logits = self.forward(ids[lo:hi])
                 report("prefill", hi - first, len(ids) - first)
@@ -441,7 +441,7 @@ class Session:
         tokens, total, report, logits = self._pending
         self._pending = None
         t0 = time.perf_counter()
-        with prompt_products():
+        with prompt_products(prompt_half(self.run_settings, self.loaded.model.device)):
             for j, token in enumerate(tokens):
                 logits = self.forward([token])
                 report("prefill", total - len(tokens) + j + 1, total)

@@ -183,11 +183,21 @@ def dense_kv_dtype(settings: Settings, device: Any = "cpu") -> Any:
     """The dtype dense layers hold their keys and values in while decoding (None: the model's;
     ``settings.dense_kv``). ``auto`` takes bfloat16 for a float32 model on a CPU that multiplies
     it natively (:func:`~.cache.dense.native_bf16`), where a dense step reads half the bytes."""
+    return _half(settings.dense_kv, settings, device)
+
+
+def prompt_half(settings: Settings, device: Any = "cpu") -> Any:
+    """The dtype of the prompt's products (:func:`~.weights.prompt_products`; None: the model's;
+    ``settings.prompt_compute``, ``auto`` as :func:`dense_kv_dtype`)."""
+    return _half(settings.prompt_compute, settings, device)
+
+
+def _half(choice: str, settings: Settings, device: Any) -> Any:
     import torch
 
-    if settings.dense_kv == "model" or settings.dtype == "bfloat16":
+    if choice == "model" or settings.dtype == "bfloat16":
         return None
-    if settings.dense_kv == "auto":
+    if choice == "auto":
         from .cache.dense import native_bf16
 
         if torch.device(device).type != "cpu" or settings.dtype != "float32" or not native_bf16():

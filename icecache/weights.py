@@ -105,23 +105,33 @@ _prompt = threading.local()
 
 
 @contextlib.contextmanager
-def prompt_products():
+def prompt_products(half: torch.dtype | None = None):
     """Inside it (this thread), every product of an int4 layer and of the checked head is the float
     model's product of the same weights, however few the rows: a prompt's short last chunk and the
     prompt tokens a sparse prefill runs one at a time compute as the float model, so that the cache
     and the first answer token are the float model's (an exact int4 layer holds the same values).
-    Outside, rows of a decode step take the four-bit kernels."""
-    before = getattr(_prompt, "on", False)
-    _prompt.on = True
+    Outside, rows of a decode step take the four-bit kernels.
+
+    ``half`` (bfloat16; ``prompt_compute``): the prompt's products of those layers, and its
+    chunks' attention (:func:`~icecache.cache.chunked.prefix_causal`), run in that dtype with float32
+    sums, where the CPU multiplies it natively (4x float32's speed on this machine class's
+    AVX512-BF16 CPUs, docs/results.md, session 45)."""
+    before = getattr(_prompt, "on", False), getattr(_prompt, "half", None)
+    _prompt.on, _prompt.half = True, half
     try:
         yield
     finally:
-        _prompt.on = before
+        _prompt.on, _prompt.half = before
 
 
 def in_prompt() -> bool:
     """Whether :func:`prompt_products` is on in this thread."""
     return getattr(_prompt, "on", False)
+
+
+def prompt_half() -> torch.dtype | None:
+    """The 16-bit dtype the prompt's products run in (:func:`prompt_products`), or None."""
+    return getattr(_prompt, "half", None) if getattr(_prompt, "on", False) else None
 
 
 # int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
@@ -192,6 +202,14 @@ class Int4Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
+            half = prompt_half()
+            if half is not None and rows.shape[0] > 1:
+                cached = self.__dict__.setdefault("_half_weights", {})
+                w = cached.get(half)
+                if w is None:  # made at the first 16-bit prompt (the model's memory + a quarter)
+                    w = cached[half] = self.widened.to(half)
+                y = nn.functional.linear(x.to(half), w, None if self.bias is None else self.bias.to(half))
+                return y.to(self.act_dtype)
             return nn.functional.linear(x.to(self.act_dtype), self.widened, self.bias)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
                                                       GROUP, self.kernel_table).to(self.act_dtype)

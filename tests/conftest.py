@@ -59,9 +59,9 @@ def quick_profile(tmp_path_factory) -> str:
 def cpu_settings():
     from icecache.config import resolve_settings
 
-    # ice's pages on short prompts too; dense layers in float32 on any CPU (tests/test_dense_kv.py
-    # takes bfloat16)
-    return resolve_settings("cpu").replace(dense_until=0, dense_kv="model")
+    # ice's pages on short prompts too; dense layers and prompts in float32 on any CPU
+    # (tests/test_dense_kv.py and test_prompt_compute.py take bfloat16)
+    return resolve_settings("cpu").replace(dense_until=0, dense_kv="model", prompt_compute="model")
 
 
 @pytest.fixture(scope="session")

@@ -39,9 +39,42 @@ def prefix_causal_reference(query: torch.Tensor, key: torch.Tensor, value: torch
         enable_gqa=query.shape[1] != key.shape[1])
 
 
+HALF_BLOCK = 128  # queries of one KV head's group per product (at 8k: 147 ms a chunk, 256: 246)
+
+
+def prefix_causal_half(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                       half: torch.dtype, block: int = HALF_BLOCK) -> torch.Tensor:
+    """:func:`prefix_causal_reference` by 16-bit matrix products (``half``, e.g. bfloat16, with
+    float32 sums), softmax in float32: for each KV head, ``block`` queries of each head of its group
+    at a time over the rows they see. torch's CPU flash kernel runs no faster in bfloat16, but its
+    plain bfloat16 products ran 3-4x float32's on AVX512-BF16 (docs/results.md, session 45): a chunk
+    of 2048 over 8192 rows took 147 against 216 ms."""
+    _, Hq, C, d = query.shape
+    H, T = key.shape[1], key.shape[2]
+    G, P = Hq // H, T - C
+    out = torch.empty(1, Hq, C, d, dtype=query.dtype, device=query.device)
+    k, v = key[0].to(half), value[0].to(half)
+    q = (query[0] * scaling).to(half).reshape(H, G, C, d)
+    above = torch.ones(block, block, dtype=torch.bool, device=query.device).triu(1)
+    for h in range(H):
+        for lo in range(0, C, block):
+            hi = min(C, lo + block)
+            b, n = hi - lo, P + hi  # the block's last query sees n rows
+            s = torch.mm(q[h, :, lo:hi].reshape(G * b, d), k[h, :n].t()).float().view(G, b, n)
+            s[:, :, P + lo :].masked_fill_(above[:b, :b], float("-inf"))
+            p = torch.softmax(s, dim=-1).to(half).view(G * b, n)
+            out[0, h * G : (h + 1) * G, lo:hi] = torch.mm(p, v[h, :n]).view(G, b, d).to(query.dtype)
+    return out
+
+
 def prefix_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
     """:func:`prefix_causal_reference` by two maskless calls of the CPU flash kernel, merged by
-    their log-sum-exps (float32)."""
+    their log-sum-exps (float32); inside ``prompt_products(half)``, :func:`prefix_causal_half`."""
+    from ..weights import prompt_half
+
+    half = prompt_half()
+    if half is not None and query.dtype != half:
+        return prefix_causal_half(query, key, value, scaling, half)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     _, Hq, C, d = query.shape
     H, T = key.shape[1], key.shape[2]

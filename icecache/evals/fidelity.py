@@ -53,9 +53,11 @@ def reference(loaded, settings, prompt: list[int], max_new_tokens: int,
     """``full``'s greedy continuation; past the end of text too when ``force_past_end``.
 
     ``full`` keeps true positions: a run's ``positions: remap`` (for the methods it measures)
-    does not apply to the reference."""
+    does not apply to the reference. Its prompt is computed in the model's dtype (a
+    ``prompt_compute`` in 16 bits is measured, not the measure)."""
     if settings.positions == "remap":
         settings = settings.replace(positions="true")
+    settings = settings.replace(prompt_compute="model")
     session = Session(loaded, settings, "full")
     if force_past_end:
         stop, session.stop_ids = session.stop_ids, set()
