@@ -31,8 +31,9 @@ class GrowingLayer(DynamicLayer):
     ``decode_dtype`` (e.g. bfloat16 for a float32 model on a CPU that multiplies bfloat16
     natively, :func:`native_bf16`): the prompt is computed and kept in the model's dtype, and the
     first decode step with at least ``decode_min_rows`` rows converts the layer's keys and values
-    to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt chunk that comes after that
-    (a second question over a cropped cache) is handed float copies."""
+    to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt
+    chunk that comes after that (a second question over a cropped cache) is handed float
+    copies."""
 
     min_capacity = 256
     # fewer rows stay in the model's dtype: at 1k tokens float32's products were faster
@@ -125,9 +126,9 @@ class DenseCache(Cache):
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; read from Linux's
-    /proc/cpuinfo, False elsewhere). There torch's bfloat16 products read half the bytes at about
-    float32's speed per element: a decode step over 30 dense layers of 8k tokens took 12.8 vs
-    17.6 ms (docs/results.md, session 45)."""
+    /proc/cpuinfo, False elsewhere). There a decode step of the embedded model over 8k dense
+    tokens took 18.9 against 25.6 ms with bfloat16 keys and values, and bfloat16 products ran
+    3-4x float32's (docs/results.md, session 45)."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
@@ -166,8 +167,11 @@ def _half_decode(q, k, v, scaling):
     longer at every step paid that each time: 19.8 against 13.3 ms per step over 30 layers of 8k
     rows. The products therefore run over the rows rounded up to a multiple of ``HALF_ROWS``
     (within the buffer's capacity, whose unused rows a growing layer keeps at zero), the extra
-    rows' scores set to -inf. Each head's scores are keys x query (on such views 4x faster than
-    query x keys^T, which copies the keys); softmax in float32."""
+    rows' scores set to -inf. The scores come from numba's :func:`~.kernels.half_scores`
+    (bfloat16 widened by a shift, the query in float32: torch's bfloat16 scores took 52 us a head
+    at 4k in the model, slower than float32's), else from torch, keys x query per head (on such
+    views 4x faster than query x keys^T, which copies the keys). Softmax in float32; the value
+    product in torch's bfloat16."""
     H, G, d = q.shape
     T = k.shape[1]
     sh, sr, _ = k.stride()
@@ -197,7 +201,7 @@ def dense_decode(query, key, value, scaling):
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
-    every row valid."""
+    every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
