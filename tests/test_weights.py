@@ -380,7 +380,8 @@ def test_a_prompt_computes_as_the_float_model_and_decode_steps_take_the_kernels(
     float_model, int4_model = _grouped_tiny_llama()
     settings = resolve_settings("cpu").replace(
         page_size=4, budget=16, sink_pages=1, window_pages=2, dense_layers=1, chunk_size=64,
-        prefill=prefill, prefill_queries=4, pipeline=False, answer_spans=0)
+        prefill=prefill, prefill_queries=4, pipeline=False, answer_spans=0,
+        prompt_compute="model")  # (a bfloat16 prompt, tests/test_prompt_compute.py, is not the float model's)
     prompt = torch.randint(0, 97, (70,), generator=torch.Generator().manual_seed(5)).tolist()
     logits, sessions = [], []
     for model in (float_model, int4_model):
