@@ -5,8 +5,9 @@ One process prefills CTX generated tokens ``ROUNDS`` times each way with the cpu
 ``dense`` method, taking turns (the order flips every round, after one warm-up prefill each way,
 which also makes the int4 layers' 16-bit weights). It prints tokens/s per run and the medians,
 then how far the 16-bit prompt moved the last position's logits and the last layer's keys.
+``--sparse``: ``ice`` with a sparse prefill instead (the last layer's keys not compared).
 
-    python scripts/prompt_compute_speed.py CTX [ROUNDS]      e.g. 8192 3
+    python scripts/prompt_compute_speed.py CTX [ROUNDS] [--sparse]      e.g. 8192 3
 """
 
 from __future__ import annotations
@@ -24,9 +25,12 @@ def main() -> None:
     from icecache.generation import Session
     from icecache.models import load_model
 
-    ctx = int(sys.argv[1])
-    rounds = int(sys.argv[2]) if len(sys.argv) > 2 else 3
-    base = resolve_settings("cpu").replace(doc_cache="off")
+    args = [a for a in sys.argv[1:] if not a.startswith("--")]
+    sparse = "--sparse" in sys.argv
+    ctx = int(args[0])
+    rounds = int(args[1]) if len(args) > 1 else 3
+    base = resolve_settings("cpu").replace(doc_cache="off", **({"prefill": "sparse"} if sparse else {}))
+    method = "ice" if sparse else "dense"
     loaded = load_model(None, base)
     ids = context_ids(loaded.tokenizer, ctx)
     kinds = ["model", "bfloat16"]
@@ -34,12 +38,14 @@ def main() -> None:
     last: dict[str, tuple] = {}
 
     def run(kind: str) -> float:
-        session = Session(loaded, base.replace(prompt_compute=kind), "dense")
+        session = Session(loaded, base.replace(prompt_compute=kind), method)
+        session.new_tokens = 8
         t = time.perf_counter()
         with torch.inference_mode():
             logits, _ = session.prefill(ids)
         seconds = time.perf_counter() - t
-        last[kind] = (logits.float().clone(), session.cache.layers[-1].keys.clone())
+        keys = None if sparse else session.cache.layers[-1].keys.clone()
+        last[kind] = (logits.float().clone(), keys)
         return len(ids) / seconds
 
     for kind in kinds:
@@ -56,7 +62,8 @@ def main() -> None:
     print(f"logits: largest difference {float((la - lb).abs().max()):.3f} (largest logit {float(la.abs().max()):.1f}); "
           f"greedy token {'the same' if int(la.argmax()) == int(lb.argmax()) else 'different'}; "
           f"top 5 {la.topk(5).indices.tolist()} vs {lb.topk(5).indices.tolist()}")
-    print(f"last layer's keys: relative difference {float((ka - kb).norm() / ka.norm()):.4f}")
+    if ka is not None:
+        print(f"last layer's keys: relative difference {float((ka - kb).norm() / ka.norm()):.4f}")
 
 
 if __name__ == "__main__":
