@@ -27,7 +27,7 @@ from .errors import ProfileError
 DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
-DENSE_KV = ("model", "bfloat16", "auto")
+HALF_CHOICES = ("model", "bfloat16", "auto")  # dense_kv, prompt_compute
 POSITIONS = ("auto", "true", "remap")
 REMAP_PAGES = ("ordered", "one", "scaled", "spread")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
@@ -285,10 +285,9 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("doc_cache_gib", "must be >= 0 (0: no cap)")
     if s.doc_cache_min_tokens < 1:
         raise bad("doc_cache_min_tokens", "must be >= 1")
-    if s.dense_kv not in DENSE_KV:
-        raise bad("dense_kv", f"must be one of {', '.join(DENSE_KV)}")
-    if s.prompt_compute not in DENSE_KV:
-        raise bad("prompt_compute", f"must be one of {', '.join(DENSE_KV)}")
+    for key in ("dense_kv", "prompt_compute"):
+        if getattr(s, key) not in HALF_CHOICES:
+            raise bad(key, f"must be one of {', '.join(HALF_CHOICES)}")
     if s.host_dtype not in HOST_DTYPES:
         raise bad("host_dtype", f"must be one of {', '.join(HOST_DTYPES)}")
     edges = (s.sink_pages + s.window_pages) * s.page_size

@@ -93,10 +93,7 @@ def _prompt_identity(model: Any, settings: Any) -> dict:
     float prompt's: it names its own entries (float entries keep their names)."""
     from .methods import prompt_half
 
-    try:
-        half = prompt_half(settings, getattr(model, "device", "cpu"))
-    except AttributeError:  # (settings without the key: a test's stand-in)
-        return {}
+    half = prompt_half(settings, getattr(model, "device", "cpu"))
     return {} if half is None else {"prompt_compute": str(half).removeprefix("torch.")}
 
 

@@ -218,8 +218,11 @@ class Session:
         return self.run_settings.prefill if self.run_settings else self.settings.prefill
 
     @torch.inference_mode()
-    def adopt(self, pre: Prefilled) -> None:
-        """A fresh cache of this session's method holding a copy of ``pre``'s keys and values."""
+    def adopt(self, pre: Prefilled, new_tokens: int | None = None) -> None:
+        """A fresh cache of this session's method holding a copy of ``pre``'s keys and values,
+        planned for ``new_tokens`` tokens of generation after it (default: ``self.new_tokens``)."""
+        if new_tokens is not None:
+            self.new_tokens = new_tokens
         self.cache = self._new_cache(len(pre.ids))
         T = len(pre.ids)
         for i, (k, v) in enumerate(pre.kv):
@@ -238,8 +241,7 @@ class Session:
     def generate_from(self, pre: Prefilled, max_new_tokens: int, on_progress: Progress | None = None,
                       repetition_penalty: float = 1.0) -> tuple[list[int], GenerationStats]:
         """:meth:`generate` for ``pre.ids``, starting from the shared prefill ``pre``."""
-        self.new_tokens = max_new_tokens
-        self.adopt(pre)
+        self.adopt(pre, max_new_tokens)
         stats = GenerationStats(tokens_in=len(pre.ids), tokens_prefilled=len(pre.ids),
                                 prefill_seconds=pre.seconds)
         return self._decode(pre.logits, max_new_tokens, stats, on_progress, repetition_penalty)

@@ -197,6 +197,7 @@ class Int4Linear(nn.Module):
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
         self.act_dtype = linear.weight.dtype
+        self._half_weights: dict = {}  # the widened values in a 16-bit dtype (prompt_products(half))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -204,10 +205,9 @@ class Int4Linear(nn.Module):
         if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
             half = prompt_half()
             if half is not None and rows.shape[0] > 1:
-                cached = self.__dict__.setdefault("_half_weights", {})
-                w = cached.get(half)
+                w = self._half_weights.get(half)
                 if w is None:  # made at the first 16-bit prompt (the model's memory + a quarter)
-                    w = cached[half] = self.widened.to(half)
+                    w = self._half_weights[half] = self.widened.to(half)
                 y = nn.functional.linear(x.to(half), w, None if self.bias is None else self.bias.to(half))
                 return y.to(self.act_dtype)
             return nn.functional.linear(x.to(self.act_dtype), self.widened, self.bias)

@@ -59,7 +59,7 @@ def test_int4_layers_take_bfloat16_products_inside_a_16_bit_prompt_only():
     assert torch.allclose(one, floats[:, :1], atol=1e-5, rtol=1e-5)  # (a float product's own rounding)
     with W.prompt_products(torch.bfloat16):  # the 16-bit copy of the weights is made once
         mod(x)
-    assert list(mod.__dict__["_half_weights"]) == [torch.bfloat16]
+    assert list(mod._half_weights) == [torch.bfloat16]
 
 
 def test_the_prompt_compute_setting_and_the_saved_prefixes_it_names(monkeypatch, loaded, tmp_path):

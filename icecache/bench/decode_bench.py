@@ -82,8 +82,7 @@ def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2,
     ``warmup + steps + 1`` tokens it decodes, as a user's run of that length is."""
     ensure_warm(loaded, settings, [method])
     session = Session(loaded, settings, method)
-    session.new_tokens = warmup + steps + 1
-    session.adopt(pre)
+    session.adopt(pre, new_tokens=warmup + steps + 1)
     return DecodeTimer(session, pre.logits, pre.seconds, warmup, linears=linears)
 
 

@@ -245,8 +245,7 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
         log(f"{method} at {ctx} tokens: decoding ...")
         try:
             session = Session(loaded, settings, method)
-            session.new_tokens = warmup + steps + 1  # planned as a user's run of this length
-            session.adopt(pre)
+            session.adopt(pre, new_tokens=warmup + steps + 1)  # planned as a user's run of this length
         except (MemoryError, torch.OutOfMemoryError) as exc:
             row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
             rows.append(row)
