@@ -17,7 +17,7 @@ import torch
 from .config import Settings
 from .fast_step import fast_step_for
 from .memory import return_freed
-from .methods import make_cache, plan_run, prepare_model, prompt_half
+from .methods import dense_plan, make_cache, plan_run, prepare_model, prompt_half
 from .models import LoadedModel
 from .weights import prompt_products
 
@@ -174,9 +174,13 @@ class Session:
     def _start(self, ids: list[int]) -> int:
         """Prepare the cache for prompt ``ids``; return how many leading tokens are already in it."""
         keep = min(_common_prefix(self.cached_ids, ids), len(ids) - 1)
-        # a cache kept dense for a short run serves a longer one only as far as dense_until
-        outgrown = (getattr(self.cache, "all_dense", False)
-                    and len(ids) + self.new_tokens > self.run_settings.dense_until)
+        # a cache kept dense for a short run serves another run only as that run would make it
+        # (within dense_until; distances clamped past the trained context or not)
+        outgrown = False
+        if getattr(self.cache, "all_dense", False):
+            dense, clamp = dense_plan(self.method, self.loaded.model, self.settings, len(ids) + self.new_tokens,
+                                      len(ids))
+            outgrown = not dense or (clamp is not None) != self.cache.clamped
         if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False) and not outgrown:
             drop = len(self.cached_ids) - keep
             if drop:
@@ -194,7 +198,7 @@ class Session:
         self.run_settings = plan_run(self.method, self.loaded.model, self.settings, prompt_tokens,
                                      self.new_tokens)
         self._run_tokens = prompt_tokens + self.new_tokens
-        return make_cache(self.method, self.loaded.model, self.run_settings, self._run_tokens)
+        return make_cache(self.method, self.loaded.model, self.run_settings, self._run_tokens, prompt_tokens)
 
     def activate(self) -> None:
         """Make the shared model this session's again (its method's attention and its run's

@@ -287,23 +287,55 @@ def plan_run(method: str, model: Any, settings: Settings, prompt_tokens: int, ne
                             positions=positions(method, model, settings, prompt_tokens + new_tokens))
 
 
-def all_dense(method: str, model: Any, settings: Settings, tokens: int) -> bool:
+def all_dense(method: str, model: Any, settings: Settings, tokens: int, prompt_tokens: int | None = None) -> bool:
     """Whether a run of ``tokens`` (prompt + generation) under ``method`` keeps every layer dense:
     the method allows it (``short_dense``: ice, ice-reuse), ``tokens`` is at most ``dense_until``,
-    the prefill is not sparse and the positions are true. On the CPU, attending to every token of
-    a few thousand is faster than choosing pages (docs/results.md, session 44), and exact. The
-    baselines never do: they are run to be compared."""
+    and the prefill is not sparse. On the CPU, attending to every token of a few thousand is
+    faster than choosing pages (docs/results.md, sessions 44-45). With true positions that is
+    exact. With remapped positions (the run goes past the trained context) only when the prompt
+    (``prompt_tokens``; unknown: no) fits the trained context: the prompt is then computed at its
+    true positions, and decode steps clamp the distances past the trained context
+    (:func:`dense_clamp`). The baselines never do: they are run to be compared."""
     m = get(method)
     if not (m.short_dense and 0 < tokens <= settings.dense_until) or settings.prefill == "sparse":
         return False
-    if settings.prefill == "auto" and prefill_mode(method, model, settings, tokens) != "full":
+    prompt = tokens if prompt_tokens is None else prompt_tokens
+    if settings.prefill == "auto" and prefill_mode(method, model, settings, prompt) != "full":
         return False
-    return positions(method, model, settings, tokens) == "true"
+    if positions(method, model, settings, tokens) == "true":
+        return True
+    return dense_clamp(model, tokens, prompt_tokens) is not None
 
 
-def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> Any:
+def dense_plan(method: str, model: Any, settings: Settings, tokens: int,
+               prompt_tokens: int | None) -> tuple[bool, Any]:
+    """(every layer dense, the RoPE frame its decode steps clamp by or None) for a run
+    (:func:`all_dense`, :func:`dense_clamp`)."""
+    if not all_dense(method, model, settings, tokens, prompt_tokens):
+        return False, None
+    if positions(method, model, settings, tokens) == "true":
+        return True, None
+    return True, dense_clamp(model, tokens, prompt_tokens)
+
+
+def dense_clamp(model: Any, tokens: int, prompt_tokens: int | None) -> Any:
+    """The RoPE frame by which an all-dense run of ``tokens`` whose prompt is ``prompt_tokens``
+    clamps its decode steps' distances (:class:`~icecache.cache.dense.GrowingLayer`), or None
+    when it needs none (within the trained context) or cannot (the prompt itself goes past it,
+    or the model's RoPE does not compose)."""
+    from .cache.positions import RopeFrame
+
+    frame = RopeFrame.from_model(model)
+    if frame is None or not frame.composable or prompt_tokens is None:
+        return None
+    return frame if prompt_tokens <= frame.trained < tokens else None
+
+
+def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0,
+               prompt_tokens: int | None = None) -> Any:
     """A fresh cache object for one sequence of about ``tokens`` tokens (prompt + generation;
-    it decides ``positions: auto``) under ``method``."""
+    it decides ``positions: auto``), ``prompt_tokens`` of them the prompt (unknown: None),
+    under ``method``."""
     m = get(method)
     check_prefill(method, settings)
     prepare_model(method, model, settings, tokens)
@@ -314,14 +346,14 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0) -> 
 
         spec = ice_spec(settings, m)
         remap = None
-        if positions(method, model, settings, tokens) == "remap":
+        dense, clamp = dense_plan(method, model, settings, tokens, prompt_tokens)
+        if not dense and positions(method, model, settings, tokens) == "remap":
             remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack, gap=settings.remap_gap,
                           keep=settings.remap_keep, pages=settings.remap_pages,
                           pin_gap=settings.remap_pin_gap)
-        dense = all_dense(method, model, settings, tokens)
         return IceCache(layers, spec, dense_layers=layers if dense else settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
-                        device=model.device,
+                        device=model.device, clamp=clamp,
                         remap=remap, dense_kv=dense_kv_dtype(settings, model.device),
                         anchors=anchor_layers(m, layers, settings.dense_layers) if m.reuse else None)
     positions(method, model, settings, tokens)  # an explicit remap is an error here

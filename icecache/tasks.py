@@ -16,7 +16,7 @@ from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
-from .methods import all_dense, check_method, dense_kv_dtype, get, plan_run
+from .methods import check_method, dense_kv_dtype, dense_plan, get, plan_run
 from .models import LoadedModel
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
@@ -120,12 +120,16 @@ class Runner:
         if self.note:
             scaled = f", RoPE {plan.rope_scaling}" if plan.rope_scaling != "none" else ""
             dense = ""
-            if all_dense(self.method, self.loaded.model, plan, total):
+            dense_run, clamp = dense_plan(self.method, self.loaded.model, plan, total, prompt_tokens)
+            if dense_run:
                 half = (dense_kv_dtype(plan, self.loaded.model.device) is not None
                         and total > GrowingLayer.decode_min_rows)  # (shorter runs keep float keys)
-                dense = (f", every layer dense (the run fits dense_until, {plan.dense_until} tokens; "
-                         "bfloat16 keys and values)" if half else
-                         f", every layer dense (exact: the run fits dense_until, {plan.dense_until} tokens)")
+                exact = "" if half or clamp is not None else "exact: "
+                extra = "; bfloat16 keys and values" if half else ""
+                if clamp is not None:
+                    extra += f"; distances past {clamp.trained} clamped to {clamp.trained - 1}"
+                dense = (f", every layer dense ({exact}the run fits dense_until, {plan.dense_until} tokens"
+                         f"{extra})")
             if dense and self.budget_flag is not None:
                 self._warn(f"--budget {self.budget_flag} has no effect on this run: its {total} tokens fit "
                            f"dense_until ({plan.dense_until}), so every layer attends to every token "

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from .chunked import sdpa_forward
 from .current import current
-from .dense import GrowingLayer, dense_attention, windowed_dense
+from .dense import GrowingLayer, dense_attention, dense_decode, windowed_dense
 from .ice import IceCache
 from .ice_layer import IceLayer
 from .positions import RemapDenseLayer
@@ -35,6 +35,8 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
     elif isinstance(layer, GrowingLayer):
         if isinstance(layer, RemapDenseLayer) and query.shape[2] == 1:
             return layer.attend(query, scale), None
+        if layer.clamp is not None and query.shape[0] == 1 and query.shape[2] == 1 and attention_mask is None:
+            return dense_decode(query, key, value, scale, clamp=layer.clamped(query)), None
         if query.shape[2] > 1 and cache.spec.sparse_prefill:
             frame = cache.remap.frame if cache.remap is not None else None
             out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale,

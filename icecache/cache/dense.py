@@ -33,20 +33,54 @@ class GrowingLayer(DynamicLayer):
     first decode step with at least ``decode_min_rows`` rows converts the layer's keys and values
     to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt
     chunk that comes after that (a second question over a cropped cache) is handed float
-    copies."""
+    copies.
+
+    ``clamp`` (a :class:`~.positions.RopeFrame`; a run whose prompt fits the model's trained
+    context and whose generation goes past it, ``methods.all_dense``): a decode step attends to
+    the keys farther than the trained context at the farthest trained distance, ``trained - 1``,
+    instead of their true one (:meth:`clamped`); every other key keeps its true distance. The
+    keys stay stored at their true positions."""
 
     min_capacity = 256
     # fewer rows stay in the model's dtype: at 1k tokens float32's products were faster
     decode_min_rows = 2048
 
-    def __init__(self, decode_dtype: torch.dtype | None = None):
+    def __init__(self, decode_dtype: torch.dtype | None = None, clamp=None):
         super().__init__()
         self.decode_dtype = decode_dtype
+        self.clamp = clamp
 
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
         super().lazy_initialization(key_states, value_states)
         self._k = self._v = None
         self._n = 0
+        self._k0 = None  # the clamped keys un-rotated (float32, H, capacity, d): rows [0, _c0) valid
+        self._c0 = 0
+
+    def clamped(self, query: torch.Tensor):
+        """For a decode step (its row already added; query (1, Hq, 1, d) at position ``n - 1``):
+        None while every key is within the trained context, else ``(far_q (H, G, d), k0 (H, c,
+        d))``: the ``c = n - trained`` oldest keys un-rotated (to position 0; computed once per
+        key) and the query turned from its position to ``trained - 1``, so that ``far_q @ k0^T``
+        are those keys' scores at distance ``trained - 1`` (RoPE depends on the difference)."""
+        frame = self.clamp
+        n = self._n
+        if frame is None or n <= frame.trained:
+            return None
+        c = n - frame.trained
+        H, d = self._k.shape[1], self._k.shape[3]
+        if self._k0 is None or self._k0.shape[1] < c:
+            grown = torch.empty((H, max(c + 64, 2 * c), d), dtype=torch.float32, device=self._k.device)
+            if self._c0:
+                grown[:, : self._c0] = self._k0[:, : self._c0]
+            self._k0 = grown
+        if self._c0 < c:
+            rows = self._k[0, :, self._c0 : c].float()
+            self._k0[:, self._c0 : c] = frame.rotate(rows, torch.arange(self._c0, c), 0)
+            self._c0 = c
+        q = query[0, :, 0].float()
+        far_q = frame.rotate(q, n - 1, frame.trained - 1).reshape(H, -1, d)
+        return far_q, self._k0[:, :c]
 
     def _reserve(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         cap = 0 if self._k is None else self._k.shape[2]
@@ -93,12 +127,15 @@ class GrowingLayer(DynamicLayer):
         if tokens_to_remove == 0 or not self.is_initialized:
             return
         self._n = max(0, self._n + tokens_to_remove)
+        self._c0 = min(self._c0, self._n)  # un-rotated copies of rows that stay
         self.keys = self._k[:, :, : self._n]
         self.values = self._v[:, :, : self._n]
 
     def reset(self) -> None:
         self._k = self._v = None
         self._n = 0
+        self._k0 = None
+        self._c0 = 0
         super().reset()
 
     def batch_repeat_interleave(self, repeats: int) -> None:
@@ -159,7 +196,15 @@ HALF_NUMBA = os.environ.get("ICECACHE_HALF_NUMBA", "1") != "0"
 HALF_ROWS = 256  # a 16-bit decode reads rows in multiples of this (see _half_decode)
 
 
-def _half_decode(q, k, v, scaling):
+def _clamp_scores(scores: torch.Tensor, clamp) -> None:
+    """Replace the scores (H, G, T) of the first keys by their scores at the clamped distance
+    (:meth:`GrowingLayer.clamped`'s ``(far_q, k0)``), in place; nothing if ``clamp`` is None."""
+    if clamp is not None:
+        far_q, k0 = clamp
+        scores[:, :, : k0.shape[1]] = torch.matmul(far_q, k0.transpose(1, 2))
+
+
+def _half_decode(q, k, v, scaling, clamp=None):
     """:func:`dense_decode` over 16-bit keys and values: q (H, G, d) float32; k, v (H, T, d)
     views of a growing layer (rows contiguous per head, heads a capacity apart) -> (H, G, d).
 
@@ -188,6 +233,7 @@ def _half_decode(q, k, v, scaling):
     else:
         qh = q.to(k.dtype)
         scores = torch.stack([torch.mm(k[h], qh[h].t()) for h in range(H)]).transpose(1, 2).float()  # (H, G, T')
+    _clamp_scores(scores, clamp)
     if scores.shape[2] > T:
         scores[:, :, T:] = float("-inf")
     probs = torch.softmax(scores.mul_(scaling), dim=-1).to(v.dtype)
@@ -196,18 +242,19 @@ def _half_decode(q, k, v, scaling):
     return torch.stack([torch.mm(probs[h], v[h]) for h in range(H)])
 
 
-def dense_decode(query, key, value, scaling):
+def dense_decode(query, key, value, scaling, clamp=None):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
-    every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`."""
+    every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`.
+    ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`)."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
     if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
-        return _half_decode(q, key[0], value[0], scaling).to(query.dtype).reshape(1, 1, Hq, d)
+        return _half_decode(q, key[0], value[0], scaling, clamp).to(query.dtype).reshape(1, 1, Hq, d)
     if (DENSE_KERNEL and T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
             and key.dtype == torch.float32 and query.dtype == torch.float32):
         k = _rows_buffer(key[0])
@@ -216,10 +263,12 @@ def dense_decode(query, key, value, scaling):
 
             scores = torch.empty((H, Hq // H, T), dtype=torch.float32)
             dense_scores(q.detach().contiguous().numpy(), k, T, scores.numpy())
+            _clamp_scores(scores, clamp)
             probs = torch.softmax(scores.mul_(scaling), dim=-1)
             return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
-    scores = torch.matmul(q, key[0].transpose(-1, -2))  # (H, G, T)
-    probs = torch.softmax(scores.float().mul_(scaling), dim=-1).to(value.dtype)
+    scores = torch.matmul(q, key[0].transpose(-1, -2)).float()  # (H, G, T)
+    _clamp_scores(scores, clamp)
+    probs = torch.softmax(scores.mul_(scaling), dim=-1).to(value.dtype)
     return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
 
 

@@ -32,7 +32,8 @@ from .spec import IceSpec, StepStats
 class IceCache(Cache):
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
                  reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None,
-                 anchors: frozenset[int] | None = None, dense_kv: torch.dtype | None = None):
+                 anchors: frozenset[int] | None = None, dense_kv: torch.dtype | None = None,
+                 clamp=None):
         self.spec = spec
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
@@ -42,7 +43,7 @@ class IceCache(Cache):
         anchor = None
         for i in range(num_layers):
             if i < dense_layers:
-                layers.append(GrowingLayer(dense_kv) if remap is None else
+                layers.append(GrowingLayer(dense_kv, clamp) if remap is None else
                               RemapDenseLayer(remap, spec.sink_tokens, spec.dense_window))
                 continue
             if anchors is not None:
@@ -59,6 +60,8 @@ class IceCache(Cache):
         self.num_dense = dense_layers
         # every layer dense (a short run, methods.all_dense): exact attention, no pages
         self.all_dense = dense_layers >= num_layers
+        # the dense layers' distances past the trained context clamped (GrowingLayer.clamp)
+        self.clamped = clamp is not None
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         current.set_current(self)
