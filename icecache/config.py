@@ -64,7 +64,8 @@ class Settings:
     dense_layers: int = 2
     # ice and ice-reuse: a run of at most this many tokens (prompt + generation) keeps every layer
     # dense, attending to every token (exact), where that is faster than selecting pages
-    # (0: never; with true positions and a full prefill only). icecache.methods.all_dense
+    # (0: never; with a full prefill only; past the trained context only if the prompt fits it,
+    # the decode steps then clamping the farthest keys' distance). icecache.methods.all_dense
     dense_until: int = 0
     # dense layers' keys and values while decoding (ice's dense layers, every layer of a dense_until
     # run, the dense method): "model" (the model's dtype), "bfloat16", or "auto" (bfloat16 for a

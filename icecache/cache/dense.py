@@ -44,6 +44,7 @@ class GrowingLayer(DynamicLayer):
     min_capacity = 256
     # fewer rows stay in the model's dtype: at 1k tokens float32's products were faster
     decode_min_rows = 2048
+    clamp_ahead = 256  # keys un-rotated at once for ``clamp`` (the rows after this step's first few)
 
     def __init__(self, decode_dtype: torch.dtype | None = None, clamp=None):
         super().__init__()
@@ -61,7 +62,7 @@ class GrowingLayer(DynamicLayer):
         """For a decode step (its row already added; query (1, Hq, 1, d) at position ``n - 1``):
         None while every key is within the trained context, else ``(far_q (H, G, d), k0 (H, c,
         d))``: the ``c = n - trained`` oldest keys un-rotated (to position 0; computed once per
-        key) and the query turned from its position to ``trained - 1``, so that ``far_q @ k0^T``
+        key, ``clamp_ahead`` keys at a time) and the query turned from its position to ``trained - 1``, so that ``far_q @ k0^T``
         are those keys' scores at distance ``trained - 1`` (RoPE depends on the difference)."""
         frame = self.clamp
         n = self._n
@@ -69,17 +70,18 @@ class GrowingLayer(DynamicLayer):
             return None
         c = n - frame.trained
         H, d = self._k.shape[1], self._k.shape[3]
-        if self._k0 is None or self._k0.shape[1] < c:
-            grown = torch.empty((H, max(c + 64, 2 * c), d), dtype=torch.float32, device=self._k.device)
-            if self._c0:
-                grown[:, : self._c0] = self._k0[:, : self._c0]
-            self._k0 = grown
-        if self._c0 < c:
-            rows = self._k[0, :, self._c0 : c].float()
-            self._k0[:, self._c0 : c] = frame.rotate(rows, torch.arange(self._c0, c), 0)
-            self._c0 = c
-        q = query[0, :, 0].float()
-        far_q = frame.rotate(q, n - 1, frame.trained - 1).reshape(H, -1, d)
+        if self._c0 < c:  # the next keys to clamp, a block ahead (a rotation per key costs ~0.1 ms)
+            upto = min(n, c + self.clamp_ahead)
+            if self._k0 is None or self._k0.shape[1] < upto:
+                grown = torch.empty((H, upto + self.clamp_ahead, d), dtype=torch.float32, device=self._k.device)
+                if self._c0:
+                    grown[:, : self._c0] = self._k0[:, : self._c0]
+                self._k0 = grown
+            rows = self._k[0, :, self._c0 : upto].float()
+            self._k0[:, self._c0 : upto] = frame.rotate(rows, torch.arange(self._c0, upto), 0)
+            self._c0 = upto
+        turn = frame.rotation_matrix(n - 1, frame.trained - 1, d).to(self._k0.device)
+        far_q = torch.matmul(query[0, :, 0].float(), turn).view(H, -1, d)
         return far_q, self._k0[:, :c]
 
     def _reserve(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:

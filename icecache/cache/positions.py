@@ -108,6 +108,19 @@ class RopeFrame:
         return cos.float(), sin.float()
 
     @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
+    def rotation_matrix(self, src: int, dst: int, head_dim: int) -> torch.Tensor:
+        """(head_dim, head_dim) float32 ``M`` with ``x @ M`` = :meth:`rotate` ``(x, src, dst)``
+        (channels past ``rotary_dim`` kept): one product instead of a rotation's several ops."""
+        cos, sin = self._one_rotation(src, dst, "cpu")
+        r, half = self.rotary_dim, self.rotary_dim // 2
+        m = torch.eye(head_dim)
+        j = torch.arange(r)
+        m[j, j] = cos[0]
+        m[j[:half] + half, j[:half]] = -sin[0, :half]
+        m[j[half:] - half, j[half:]] = sin[0, half:]
+        return m
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
     def down_table(self, top: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, rotary_dim) float32 on ``device`` of the rotations from position 0 to
         ``top``, ``top - 1``, ..., ``top - n + 1``."""

@@ -37,8 +37,11 @@ class Fidelity:
 
 
 def _forced(session: Session, prompt: list[int], tokens: list[int]) -> list[torch.Tensor]:
-    """Log-probabilities before each of ``tokens`` (the first after the prompt's prefill)."""
+    """Log-probabilities before each of ``tokens`` (the first after the prompt's prefill). The
+    run is planned for the prompt and ``tokens`` (positions, dense layers), as a generation of
+    that many tokens would be."""
     out = []
+    session.new_tokens = len(tokens)
     with torch.inference_mode():
         logits, _ = session.prefill(prompt)
         out.append(torch.log_softmax(logits.float(), -1))
