@@ -165,3 +165,18 @@ def test_fidelity_plans_its_forced_run_for_the_tokens_it_feeds():
     session = Session(loaded, s, "ice")
     got = fidelity._forced(session, list(range(3, 59)), list(range(10, 30)))
     assert len(got) == 20 and session.cache.clamped and session.positions == "remap"
+
+
+def test_the_run_plan_line_says_the_distances_are_clamped():
+    from icecache.tasks import Runner
+
+    loaded, s = _tiny()
+    runner = Runner(loaded, s, "ice")
+    lines = []
+    runner.note = lines.append
+    assert runner.beyond_trained(56, 20) is None  # handled: no warning of untrained positions
+    assert lines == ["full prefill, remap positions, every layer dense (the run fits dense_until, 100 tokens; "
+                     "distances past 64 clamped to 63) (56 prompt tokens, 64 trained)"]
+    runner.beyond_trained(40, 20)
+    assert lines[-1] == ("full prefill, true positions, every layer dense (exact: the run fits dense_until, "
+                         "100 tokens) (40 prompt tokens, 64 trained)")
