@@ -61,16 +61,19 @@ class GrowingLayer(DynamicLayer):
     def clamped(self, query: torch.Tensor):
         """For a decode step (its row already added; query (1, Hq, 1, d) at position ``n - 1``):
         None while every key is within the trained context, else ``(far_q (H, G, d), k0 (H, c,
-        d))``: the ``c = n - trained`` oldest keys un-rotated (to position 0; computed once per
-        key, ``clamp_ahead`` keys at a time) and the query turned from its position to ``trained - 1``, so that ``far_q @ k0^T``
-        are those keys' scores at distance ``trained - 1`` (RoPE depends on the difference)."""
+        d))``: the ``c = n - trained`` oldest keys un-rotated (to position 0; once per key,
+        ``clamp_ahead`` keys at a time) and the query turned from its position to ``trained -
+        1``, so that ``far_q @ k0^T`` are those keys' scores at distance ``trained - 1`` (RoPE
+        depends on the difference of positions)."""
         frame = self.clamp
         n = self._n
         if frame is None or n <= frame.trained:
             return None
         c = n - frame.trained
         H, d = self._k.shape[1], self._k.shape[3]
-        if self._c0 < c:  # the next keys to clamp, a block ahead (a rotation per key costs ~0.1 ms)
+        # the next keys to clamp, a block ahead: one key per step cost 3 ms per token at 8k
+        # (30 layers; docs/results.md, session 46)
+        if self._c0 < c:
             upto = min(n, c + self.clamp_ahead)
             if self._k0 is None or self._k0.shape[1] < upto:
                 grown = torch.empty((H, upto + self.clamp_ahead, d), dtype=torch.float32, device=self._k.device)
