@@ -257,3 +257,27 @@ def test_the_bench_plans_a_run_for_the_tokens_it_decodes(loaded, cpu_settings):
     assert fits.session.all_dense and fits.session.new_tokens == 5
     over = decode_bench.start(loaded, settings, "ice", shared, warmup=2, steps=3)  # 300 + 6
     assert not over.session.all_dense and over.session.cache.stats.steps > 0
+
+
+def test_the_linear_clock_times_the_decode_steps_joined_int4_products(monkeypatch):
+    """The fast step's joined int4 products call no module, so no hook sees them: the clock
+    times them itself while entered, and puts the product back after."""
+    import time
+
+    import torch
+
+    from icecache.bench import decode_bench
+    from icecache.fast_step import Int4Layer
+
+    def slow(x, joined):
+        time.sleep(0.002)
+        return x
+
+    monkeypatch.setattr(Int4Layer, "product_of", staticmethod(slow))
+    with decode_bench.LinearClock(torch.nn.Sequential()) as clock:
+        assert Int4Layer.product_of(1, None) == 1 and Int4Layer.product_of(2, None) == 2
+    assert clock.seconds >= 0.004
+    assert Int4Layer.product_of is slow  # (a staticmethod reads back as the function)
+    timed = clock.seconds
+    Int4Layer.product_of(3, None)
+    assert clock.seconds == timed  # not timed after the clock is left
