@@ -217,6 +217,12 @@ class Session:
         return bool(getattr(self.cache, "all_dense", False))
 
     @property
+    def clamped(self) -> bool:
+        """Whether the current all-dense run attends to keys past the trained context at its
+        last distance (``GrowingLayer.clamp``)."""
+        return bool(getattr(self.cache, "clamped", False))
+
+    @property
     def prefill_mode(self) -> str:
         """The current run's prefill: ``full`` or ``sparse``."""
         return self.run_settings.prefill if self.run_settings else self.settings.prefill

@@ -185,6 +185,8 @@ def positions_ratios(by_positions: dict[str, list]) -> list[str]:
 def row_line(r) -> str:
     """One row as one status line."""
     dense = ", every layer dense: within dense_until" if r.all_dense else ""
+    if r.all_dense and r.clamped:
+        dense += ", distances past the trained context clamped"
     head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions{dense})" if r.positions else "") + ": "
     if r.status != "ok":
         return head + r.status + (f" ({r.reason})" if r.reason else "")
@@ -414,7 +416,9 @@ def decode(
                         f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}; layers "
                         f">= {settings.dense_layers}: {100 * r.device_kv_bytes_sparse_layers / max(1, base.device_kv_bytes_sparse_layers):.2f}%), "
                         f"host KV {r.host_kv_bytes / 2**20:.1f} MiB"
-                        + ("; every layer dense (within dense_until)" if r.all_dense else "")
+                        + ("; every layer dense (within dense_until"
+                           + (", distances past the trained context clamped" if r.clamped else "") + ")"
+                           if r.all_dense else "")
                         + ("; per token: " + ", ".join(f"{k} {v:.1f} ms" for k, v in r.breakdown_ms.items())
                            if r.breakdown_ms else ""), markup=False)
             del shared

@@ -180,3 +180,15 @@ def test_the_run_plan_line_says_the_distances_are_clamped():
     runner.beyond_trained(40, 20)
     assert lines[-1] == ("full prefill, true positions, every layer dense (exact: the run fits dense_until, "
                          "100 tokens) (40 prompt tokens, 64 trained)")
+
+
+def test_a_bench_row_says_a_clamped_run():
+    from icecache.bench.full_bench import BenchRow
+    from icecache_cli.bench import row_line
+
+    row = BenchRow(method="ice", ctx=8192, positions="remap", all_dense=True, clamped=True,
+                   status="skipped", reason="test")
+    assert row_line(row).startswith("ice at 8192 tokens (remap positions, every layer dense: within "
+                                    "dense_until, distances past the trained context clamped): skipped")
+    row.clamped = False
+    assert "clamped" not in row_line(row)

@@ -39,6 +39,7 @@ class DecodeResult:
     breakdown_ms: dict = field(default_factory=dict)
     pages_loaded_per_step: float = 0.0
     all_dense: bool = False  # every layer kept dense (ice within dense_until: exact attention)
+    clamped: bool = False  # ... past the trained context, the farthest keys at its last distance
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -235,7 +236,8 @@ class DecodeTimer:
             prefill_s=self.prefill_s, tt2t_s=self.tt2t, tpot_ms=1000 * float(np.median(self.times)),
             tpot_p90_ms=1000 * float(np.percentile(self.times, 90)),
             device_kv_bytes=dev, host_kv_bytes=host, device_kv_bytes_sparse_layers=sparse,
-            breakdown_ms=breakdown, pages_loaded_per_step=loaded_pages, all_dense=session.all_dense)
+            breakdown_ms=breakdown, pages_loaded_per_step=loaded_pages, all_dense=session.all_dense,
+            clamped=session.clamped)
 
 
 def _stats(cache):

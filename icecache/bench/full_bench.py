@@ -43,6 +43,7 @@ class BenchRow:
     ctx: int
     positions: str = ""  # how the run set RoPE positions: remap or true (the session's choice)
     all_dense: bool = False  # every layer kept dense (ice within dense_until: exact attention)
+    clamped: bool = False  # ... past the trained context, the farthest keys at its last distance
     status: str = "ok"  # ok | skipped (would not fit in memory) | out of memory | over time cap | failed (llama.cpp)
     reason: str = ""
     kv_source: str = ""
@@ -101,7 +102,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
                              else max(resident_before, resident_peak, r.device_kv_bytes))
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     row.positions = session.positions
-    row.all_dense = session.all_dense
+    row.all_dense, row.clamped = session.all_dense, session.clamped
     return row
 
 
