@@ -288,34 +288,33 @@ def plan_run(method: str, model: Any, settings: Settings, prompt_tokens: int, ne
 
 
 def all_dense(method: str, model: Any, settings: Settings, tokens: int, prompt_tokens: int | None = None) -> bool:
-    """Whether a run of ``tokens`` (prompt + generation) under ``method`` keeps every layer dense:
-    the method allows it (``short_dense``: ice, ice-reuse), ``tokens`` is at most ``dense_until``,
-    and the prefill is not sparse. On the CPU, attending to every token of a few thousand is
-    faster than choosing pages (docs/results.md, sessions 44-45). With true positions that is
-    exact. With remapped positions (the run goes past the trained context) only when the prompt
-    (``prompt_tokens``; unknown: no) fits the trained context: the prompt is then computed at its
-    true positions, and decode steps clamp the distances past the trained context
-    (:func:`dense_clamp`). The baselines never do: they are run to be compared."""
-    m = get(method)
-    if not (m.short_dense and 0 < tokens <= settings.dense_until) or settings.prefill == "sparse":
-        return False
-    prompt = tokens if prompt_tokens is None else prompt_tokens
-    if settings.prefill == "auto" and prefill_mode(method, model, settings, prompt) != "full":
-        return False
-    if positions(method, model, settings, tokens) == "true":
-        return True
-    return dense_clamp(model, tokens, prompt_tokens) is not None
+    """Whether a run of ``tokens`` (prompt + generation) under ``method`` keeps every layer dense
+    (:func:`dense_plan`)."""
+    return dense_plan(method, model, settings, tokens, prompt_tokens)[0]
 
 
 def dense_plan(method: str, model: Any, settings: Settings, tokens: int,
-               prompt_tokens: int | None) -> tuple[bool, Any]:
-    """(every layer dense, the RoPE frame its decode steps clamp by or None) for a run
-    (:func:`all_dense`, :func:`dense_clamp`)."""
-    if not all_dense(method, model, settings, tokens, prompt_tokens):
+               prompt_tokens: int | None = None) -> tuple[bool, Any]:
+    """(every layer dense, the RoPE frame its decode steps clamp by or None) for a run of
+    ``tokens`` (prompt + generation) under ``method``.
+
+    Every layer is dense when the method allows it (``short_dense``: ice, ice-reuse), ``tokens``
+    is at most ``dense_until``, and the prefill is not sparse. On the CPU, attending to every
+    token of a few thousand is faster than choosing pages (docs/results.md, sessions 44-45).
+    With true positions that is exact. With remapped positions (the run goes past the trained
+    context) only when the prompt (``prompt_tokens``; unknown: no) fits the trained context: the
+    prompt is then computed at its true positions, and decode steps clamp the distances past the
+    trained context (:func:`dense_clamp`). The baselines never do: they are run to be compared."""
+    m = get(method)
+    if not (m.short_dense and 0 < tokens <= settings.dense_until) or settings.prefill == "sparse":
+        return False, None
+    prompt = tokens if prompt_tokens is None else prompt_tokens
+    if settings.prefill == "auto" and prefill_mode(method, model, settings, prompt) != "full":
         return False, None
     if positions(method, model, settings, tokens) == "true":
         return True, None
-    return True, dense_clamp(model, tokens, prompt_tokens)
+    clamp = dense_clamp(model, tokens, prompt_tokens)
+    return clamp is not None, clamp
 
 
 def dense_clamp(model: Any, tokens: int, prompt_tokens: int | None) -> Any:

@@ -83,7 +83,7 @@ class GrowingLayer(DynamicLayer):
             rows = self._k[0, :, self._c0 : upto].float()
             self._k0[:, self._c0 : upto] = frame.rotate(rows, torch.arange(self._c0, upto), 0)
             self._c0 = upto
-        turn = frame.rotation_matrix(n - 1, frame.trained - 1, d).to(self._k0.device)
+        turn = frame.rotation_matrix(n - 1, frame.trained - 1, d, str(self._k0.device))
         far_q = torch.matmul(query[0, :, 0].float(), turn).view(H, -1, d)
         return far_q, self._k0[:, :c]
 

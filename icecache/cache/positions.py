@@ -108,12 +108,13 @@ class RopeFrame:
         return cos.float(), sin.float()
 
     @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
-    def rotation_matrix(self, src: int, dst: int, head_dim: int) -> torch.Tensor:
-        """(head_dim, head_dim) float32 ``M`` with ``x @ M`` = :meth:`rotate` ``(x, src, dst)``
-        (channels past ``rotary_dim`` kept): one product instead of a rotation's several ops."""
-        cos, sin = self._one_rotation(src, dst, "cpu")
+    def rotation_matrix(self, src: int, dst: int, head_dim: int, device: str = "cpu") -> torch.Tensor:
+        """(head_dim, head_dim) float32 ``M`` on ``device`` with ``x @ M`` = :meth:`rotate` ``(x,
+        src, dst)`` (channels past ``rotary_dim`` kept): one product instead of a rotation's
+        several ops."""
+        cos, sin = self._one_rotation(src, dst, device)
         r, half = self.rotary_dim, self.rotary_dim // 2
-        m = torch.eye(head_dim)
+        m = torch.eye(head_dim, device=device)
         j = torch.arange(r)
         m[j, j] = cos[0]
         m[j[:half] + half, j[:half]] = -sin[0, :half]
