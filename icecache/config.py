@@ -150,10 +150,12 @@ class Settings:
     # the smallest whole factor that fits the document in the trained context), "spread" (as
     # scaled, each row at least one position past the one before it)
     remap_pages: str = "ordered"
-    # remapped "ordered" pages with pinned answer passages (answer_spans): the selected pages
-    # sit remap_pin_gap positions farther back than the passages, which stay nearest the window
-    # (0: right behind them), as far as the trained context allows. Fragments of the budget's
-    # pages just before the question read as the text it follows; farther back, as earlier text
+    # remapped "ordered" pages with pinned answer passages (answer_spans): the sink and the
+    # selected pages sit remap_pin_gap positions farther back than the passages, which stay
+    # nearest the window, the best voted nearest (0: right behind them, in token order), as far
+    # as the trained context allows; unless the best passage continues the sink (then nothing
+    # moves). Well-voted rows next to a passage join it. Fragments of the budget's pages just
+    # before the question read as the text it follows; farther back, as earlier text
     remap_pin_gap: int = 0
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).

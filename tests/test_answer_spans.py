@@ -24,6 +24,31 @@ def test_passages_follow_the_votes_and_never_overlap():
     assert len(pinned_rows(votes, 0, 2, 4)) == 0
 
 
+def test_merged_passages_join_a_well_voted_row_next_to_one():
+    """``merge`` (with ``remap_pin_gap``): a row voted second just before the best passage
+    becomes an anchor too, and its passage joins the best one; the passage ranks follow the
+    best anchor of each joined run."""
+    votes = np.zeros(100)
+    votes[[50, 45, 51, 80]] = [5.0, 4.0, 3.0, 2.0]
+    # without merge 45 is within 50's reach (skipped) and 51 inside its passage: 80 comes next
+    assert spans.pinned_anchors(votes, 3, 2, 4) == [50, 80]
+    assert spans.pinned_anchors(votes, 3, 2, 4, merge=True) == [50, 45, 80]
+    rows = pinned_rows(votes, 3, 2, 4, merge=True)
+    assert rows.tolist() == [43, 44, 45, 46, 47, 48, 49, 50, 51, 52, 53, 78, 79, 80, 81, 82, 83]
+    v = SpanVotes(3, 2)
+    v.before, v.after = 2, 4
+    v.add(votes, 10)
+    assert v.rows(100, merge=True).tolist() == rows.tolist() and v.best == 50
+    # the joined run 43..53 ranks as 50's passage (0), 78..83 as 80's (2); other rows: 3
+    assert v.passage_rank(np.array([43, 47, 53, 80, 0, 60])).tolist() == [0, 0, 0, 2, 3, 3]
+    # passages that do not merge rank by their own anchors
+    w = SpanVotes(3, 2)
+    w.before, w.after = 2, 4
+    w.add(votes, 10)
+    w.rows(100)
+    assert w.anchors == [50, 80] and w.passage_rank(np.array([48, 78, 45])).tolist() == [0, 1, 2]
+
+
 def test_passages_do_not_overlap_on_random_votes():
     rng = np.random.default_rng(0)
     for _ in range(50):

@@ -604,16 +604,17 @@ def remapped_pinned_cache(seed: int, steps: int, prefill_budget: int):
     return model, cache, out.logits
 
 
-def test_pin_gap_moves_the_budgets_rows_behind_the_pinned_passages():
-    """``remap_pin_gap``: the placed keys of the pinned passages (nearest the window), of the sink
-    and of the window are those without the gap; every selected row is the same key G positions
-    farther back (one more rotation by -G). With a passage pinned at the sink, that passage and
-    every row before its end stay (the document's opening is not cut apart); a gap past the
-    trained context's room is cut to what fits."""
+def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages():
+    """``remap_pin_gap``: the passages nearest the window keep their places; the sink, the
+    budget's selected rows and a passage that stays with the sink go G positions farther back
+    (their placed keys are the same keys turned by G more). The passages are ordered by votes,
+    the best nearest the window. When the best passage continues the sink, nothing moves. A gap
+    past the trained context's room is cut to what fits."""
     import dataclasses
 
     import numpy as np
 
+    from icecache.cache.positions import ordered_offsets
     from icecache.cache.spec import SPAN_PAGES
 
     _model, cache, _logits = remapped_pinned_cache(7, 6, 64)
@@ -625,44 +626,66 @@ def test_pin_gap_moves_the_budgets_rows_behind_the_pinned_passages():
     cut = (r.pool_pages - r.pinned_slots) * r.page_size
     pool_valid = np.asarray(valid[:, r.pool_at : r.window_at])
 
-    def placed(gap):
+    def with_gap(gap, fn):
         layer.remap = dataclasses.replace(base, pin_gap=gap)
         try:
-            return layer._placed(k, pages_at)
+            return fn()
         finally:
             layer.remap = base
 
     def check(stay_below: int):
-        a, b = placed(0), placed(G)
-        far = pool_valid & (r.pool_row >= stay_below)
-        far[:, cut:] = False
+        # gaps 1 and 1 + G: the same order and layout, G apart
+        a, b = with_gap(1, lambda: layer._placed(k, pages_at)), with_gap(1 + G, lambda: layer._placed(k, pages_at))
+        far = pool_valid.copy()
+        far[:, cut:] &= r.pool_row[:, cut:] < stay_below
         assert far.any() and (pool_valid & ~far).any()
         for h in range(k.shape[0]):
-            still = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(pool_valid[h] & ~far[h])])
+            still = r.pool_at + np.flatnonzero(pool_valid[h] & ~far[h])
             torch.testing.assert_close(b[h, still], a[h, still], atol=0, rtol=0)
-            moved = r.pool_at + np.flatnonzero(far[h])
+            moved = np.concatenate([np.arange(r.sink_fill), r.pool_at + np.flatnonzero(far[h])])
             torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
 
     ids, table, rows = layer._pinned_load
+    votes = layer.votes
     assert layer.pinned is not None and layer._pinned_lead == 0 and rows[0] >= SPAN_PAGES * r.page_size
+    assert len(votes.anchors) == 2 and votes.best == votes.anchors[0]
     check(0)
-    # a passage pinned at the sink (rows 2 .. 5 here): the rows before its end stay too
+
+    # the passages by votes: the best one's rows nearest the window, each passage in token order
+    order = with_gap(G, lambda: layer._placing_order(pool_valid))
+    pin_rows, pin_keys = r.pool_row[:, cut:], order[:, cut:]
+    rank = votes.passage_rank(pin_rows)
+    for h in range(k.shape[0]):
+        ok = pool_valid[h, cut:]
+        best, other = ok & (rank[h] == 0), ok & (rank[h] == 1)
+        assert best.any() and other.any()
+        assert pin_keys[h, best].min() > pin_keys[h, other].max()
+        for part in (best, other):
+            srt = np.argsort(pin_rows[h, part])
+            assert (np.diff(pin_keys[h, part][srt]) > 0).all()
+        assert order[h, :cut][pool_valid[h, :cut]].max() < pin_keys[h, ok].min()
+
+    # a passage pinned at the sink (rows 2 .. 5 here): it and the rows before its end go back too
     near_sink = np.arange(2, 6)
     layer._pinned_load = (ids, table, np.concatenate([near_sink, rows]))
-    layer.remap = dataclasses.replace(base, pin_gap=G)
-    assert layer._with_sink() == 6
-    layer.remap = base
+    assert with_gap(G, layer._with_sink) == 6
     check(6)
-    layer._pinned_load = (ids, table, rows)
-    # cut to the room: nothing placed beyond the trained context
-    from icecache.cache.positions import ordered_offsets
-
+    # ... unless the best passage is that one: then it and the sink stay near, and nothing moves
     top = pages_at - r.sink_fill
     room = frame.trained - (layer.length - pages_at) - r.sink_fill
-    offset, count = ordered_offsets(layer._placing_order(pool_valid), pool_valid,
+    offset, count = ordered_offsets(with_gap(G, lambda: layer._placing_order(pool_valid)), pool_valid,
                                     base.gap_for(r.window_at - r.pool_at), top, -1)
-    layer.remap = dataclasses.replace(base, pin_gap=10**6)
-    moved, _ = layer._behind_pinned(offset, count, pool_valid, room)
-    layer.remap = base
-    assert int(moved[torch.from_numpy(pool_valid)].max()) < room
+    anchors = list(votes.anchors)
+    votes.anchors = [3] + anchors
+    try:
+        same = with_gap(G, lambda: layer._behind_pinned(offset, count, pool_valid, room))
+    finally:
+        votes.anchors = anchors
+    assert same[0] is offset and same[1] is count
+    layer._pinned_load = (ids, table, rows)
+    # cut to the room: nothing placed beyond the trained context
+    offset, count = ordered_offsets(with_gap(10**6, lambda: layer._placing_order(pool_valid)), pool_valid,
+                                    base.gap_for(r.window_at - r.pool_at), top, -1)
+    moved, spanned = with_gap(10**6, lambda: layer._behind_pinned(offset, count, pool_valid, room))
+    assert int(moved[torch.from_numpy(pool_valid)].max()) < room and int(spanned.max()) <= room

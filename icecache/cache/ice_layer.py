@@ -397,7 +397,10 @@ class IceLayer(CacheLayerMixin):
             return
         if self.length >= at and self.votes.step and self.votes.step < self.length:
             self.pinned = TokenPages(self.spec.page_size, self.spec.span_pages)
-            ids = self.pinned.choose(self.votes.rows(self.store.rows))
+            # with remap_pin_gap the budget's pages sit far back and the passages carry the answer
+            # alone: well-voted rows next to a passage join it (a needle's first mention was cut off)
+            merge = self.remap is not None and bool(self.remap.pin_gap)
+            ids = self.pinned.choose(self.votes.rows(self.store.rows, merge))
             rows = np.sort(self.pinned.tokens())
             self._pinned_load = (ids.astype(np.int64), self.pinned.table(), rows)
             self._pinned_lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
@@ -456,19 +459,25 @@ class IceLayer(CacheLayerMixin):
 
     def _behind_pinned(self, offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray,
                        room: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``remap_pin_gap``: the ordered offsets with the selected pages' rows ``pin_gap``
-        positions farther back (less where the trained context has no room for it). The pinned
-        passages nearest the window stay, and so do the sink and the rows that stay with it
-        (:meth:`_with_sink`: every pool row before the end of a passage pinned at the sink), so
-        the document's opening is not cut apart either."""
+        """``remap_pin_gap``: the ordered offsets (and the span, where the sink goes) with the
+        sink, the selected pages' rows and the rows that stay with the sink (:meth:`_with_sink`)
+        ``pin_gap`` positions farther back (less where the trained context has no room for it);
+        the other pinned passages stay nearest the window. So the document's opening is not cut
+        apart, and nothing comes before the sink (session 43's version kept the sink near, after
+        the moved pages: the needle of a 16k passkey at depth 5% was lost; session 47). When
+        the best-voted passage is the one that stays with the sink, nothing moves: that passage
+        is the answer's, and it must stay near."""
         r = self.resident
         gap = min(self.remap.pin_gap, room - int(count.max()) if count.numel() else 0)
         if gap <= 0:
             return offset, count
+        with_sink = self._with_sink()
+        if self.votes.best < with_sink:  # the best passage continues the sink: it stays near, with the sink
+            return offset, count
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
-        far = valid & (r.pool_row >= self._with_sink())
-        far[:, cut:] = False  # the pinned passages
-        return offset + torch.from_numpy(np.where(far, gap, 0)), count
+        far = valid.copy()
+        far[:, cut:] &= r.pool_row[:, cut:] < with_sink  # of the pinned passages, those that stay with the sink
+        return offset + torch.from_numpy(np.where(far, gap, 0)), count + gap
 
     def _with_sink(self) -> int:
         """Pinned host rows below this stay in token order right after the sink instead of
@@ -490,7 +499,9 @@ class IceLayer(CacheLayerMixin):
         """The pool rows' order keys for the ordered placement: host rows (token order), except
         that pinned answer passages come after the selected rows, nearest the window, in their own
         order (a passage that stays with the sink, :meth:`_with_sink`, stays where token order
-        puts it, after the sink)."""
+        puts it, after the sink). With ``remap_pin_gap`` the passages are ordered by their votes,
+        the best nearest the window (a filler passage voted third read between the needle and the
+        question: session 47)."""
         r = self.resident
         if self.pinned is None:
             return r.pool_row
@@ -499,7 +510,10 @@ class IceLayer(CacheLayerMixin):
         pin, ok = keys[:, cut:], valid[:, cut:]
         last = np.where(valid[:, :cut], keys[:, :cut], -1).max(axis=1, keepdims=True)
         move = ok & (pin >= self._with_sink())
-        keys[:, cut:] = np.where(move, np.maximum(last, 0) + 1 + pin, pin)
+        if self.remap.pin_gap:  # by votes: the best passage nearest the window, each in token order
+            worse = self.votes.spans - self.votes.passage_rank(pin)
+            pin = worse * (int(pin.max()) + 1) + pin
+        keys[:, cut:] = np.where(move, np.maximum(last, 0) + 1 + pin, keys[:, cut:])
         return keys
 
     def select(self, q: torch.Tensor, pages: int | None = None, wide: float = 0.0, prefill: bool = False) -> None:

@@ -48,7 +48,33 @@ class SpanVotes:
         self.after = (SPAN_PAGES - 1) * page_size  # rows from the anchor on
         self.votes = np.zeros(0, np.float64)
         self.chosen: np.ndarray | None = None  # the pinned host rows, once chosen
+        self.anchors: list[int] = []  # the passages' anchors (host rows), best voted first, once chosen
         self.step = 0  # the cache length at the latest vote (0: none yet)
+
+    @property
+    def best(self) -> int:
+        """The most-voted host row (the first anchor; -1: none chosen)."""
+        return self.anchors[0] if self.anchors else -1
+
+    def passage_rank(self, rows: np.ndarray) -> np.ndarray:
+        """Each host row's passage rank by votes: a run of pinned rows (passages that join are
+        one) ranks as its best anchor (0: the best voted); a row in no passage ranks
+        ``len(anchors)``."""
+        chosen, anchors = (self.chosen if self.chosen is not None else np.empty(0, np.int64)), self.anchors
+        rows = np.asarray(rows)
+        out = np.full(rows.shape, len(anchors), np.int64)
+        if not len(chosen):
+            return out
+        starts = np.concatenate([[0], np.flatnonzero(np.diff(chosen) != 1) + 1])
+        run_rank = np.full(len(starts), len(anchors), np.int64)
+        for i, a in enumerate(anchors):
+            run = np.searchsorted(chosen[starts], a, side="right") - 1
+            run_rank[run] = min(run_rank[run], i)
+        at = np.searchsorted(chosen, rows)
+        hit = (at < len(chosen)) & (chosen[np.minimum(at, len(chosen) - 1)] == rows)
+        run_of = np.searchsorted(starts, at, side="right") - 1
+        out[hit] = run_rank[run_of[hit]]
+        return out
 
     def add(self, weights: np.ndarray, step: int = 0) -> None:
         """One layer's votes at the step where the cache holds ``step`` tokens: (n,) over host
@@ -63,21 +89,23 @@ class SpanVotes:
             self.votes = grown
         np.maximum(self.votes[:n], weights, out=self.votes[:n])
 
-    def rows(self, limit: int) -> np.ndarray:
-        """The pinned host rows (sorted, below ``limit``), chosen at the first call."""
+    def rows(self, limit: int, merge: bool = False) -> np.ndarray:
+        """The pinned host rows (sorted, below ``limit``), chosen at the first call (``merge``:
+        passages may join, :func:`pinned_anchors`)."""
         if self.chosen is None:
-            self.chosen = pinned_rows(self.votes[:limit], self.spans, self.before, self.after)
+            votes = self.votes[:limit]
+            self.anchors = pinned_anchors(votes, self.spans, self.before, self.after, merge)
+            self.chosen = passage_rows(self.anchors, len(votes), self.before, self.after)
         return self.chosen[self.chosen < limit]
 
 
-def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int) -> np.ndarray:
-    """Rows of the ``spans`` passages around the most-voted rows: anchors taken greedily by votes,
-    each outside the reach of those taken before (no two passages overlap); a passage is
-    ``anchor - before .. anchor + after - 1``, clipped to the rows there are."""
-    n = len(votes)
-    if n == 0 or spans == 0:
-        return np.empty(0, np.int64)
-    taken = np.zeros(n, np.bool_)
+def pinned_anchors(votes: np.ndarray, spans: int, before: int, after: int, merge: bool = False) -> list[int]:
+    """The anchors of :func:`pinned_rows`, best voted first. ``merge``: an anchor may be any
+    row outside the passages taken so far, so a well-voted row just outside one extends it
+    (the passages then overlap and join into one longer passage)."""
+    if len(votes) == 0 or spans == 0:
+        return []
+    taken = np.zeros(len(votes), np.bool_)
     anchors: list[int] = []
     for a in np.argsort(-votes, kind="stable"):
         if len(anchors) == spans or votes[a] <= 0:
@@ -85,8 +113,24 @@ def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int) -> np.nd
         if taken[a]:
             continue
         anchors.append(int(a))
-        # a later anchor's passage must not reach into this one's
-        taken[max(0, a - before - after + 1) : a + after + before] = True
+        if merge:  # the passage's own rows
+            taken[max(0, a - before) : a + after] = True
+        else:  # a later anchor's passage must not reach into this one's
+            taken[max(0, a - before - after + 1) : a + after + before] = True
+    return anchors
+
+
+def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int, merge: bool = False) -> np.ndarray:
+    """Rows of the ``spans`` passages around the most-voted rows: anchors taken greedily by votes,
+    each outside the reach of those taken before (no two passages overlap; ``merge``: outside
+    their rows, :func:`pinned_anchors`); a passage is ``anchor - before .. anchor + after - 1``,
+    clipped to the rows there are."""
+    return passage_rows(pinned_anchors(votes, spans, before, after, merge), len(votes), before, after)
+
+
+def passage_rows(anchors: list[int], n: int, before: int, after: int) -> np.ndarray:
+    """The sorted rows of the passages around ``anchors`` (``anchor - before .. anchor + after -
+    1``, within rows 0 .. n-1)."""
     rows = [np.arange(max(0, a - before), min(n, a + after)) for a in anchors]
     return np.unique(np.concatenate(rows)) if rows else np.empty(0, np.int64)
 
