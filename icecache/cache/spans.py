@@ -49,6 +49,7 @@ class SpanVotes:
         self.votes = np.zeros(0, np.float64)
         self.chosen: np.ndarray | None = None  # the pinned host rows, once chosen
         self.anchors: list[int] = []  # the passages' anchors (host rows), best voted first, once chosen
+        self._row_rank = np.empty(0, np.int64)  # each chosen row's passage rank (passage_rank)
         self.step = 0  # the cache length at the latest vote (0: none yet)
 
     @property
@@ -59,21 +60,16 @@ class SpanVotes:
     def passage_rank(self, rows: np.ndarray) -> np.ndarray:
         """Each host row's passage rank by votes: a run of pinned rows (passages that join are
         one) ranks as its best anchor (0: the best voted); a row in no passage ranks
-        ``len(anchors)``."""
-        chosen, anchors = (self.chosen if self.chosen is not None else np.empty(0, np.int64)), self.anchors
+        ``len(anchors)``. The runs and their ranks are found once, when the passages are chosen
+        (:meth:`rows`); a step only looks its rows up."""
         rows = np.asarray(rows)
-        out = np.full(rows.shape, len(anchors), np.int64)
-        if not len(chosen):
+        out = np.full(rows.shape, len(self.anchors), np.int64)
+        chosen = self.chosen
+        if chosen is None or not len(chosen):
             return out
-        starts = np.concatenate([[0], np.flatnonzero(np.diff(chosen) != 1) + 1])
-        run_rank = np.full(len(starts), len(anchors), np.int64)
-        for i, a in enumerate(anchors):
-            run = np.searchsorted(chosen[starts], a, side="right") - 1
-            run_rank[run] = min(run_rank[run], i)
         at = np.searchsorted(chosen, rows)
         hit = (at < len(chosen)) & (chosen[np.minimum(at, len(chosen) - 1)] == rows)
-        run_of = np.searchsorted(starts, at, side="right") - 1
-        out[hit] = run_rank[run_of[hit]]
+        out[hit] = self._row_rank[at[hit]]
         return out
 
     def add(self, weights: np.ndarray, step: int = 0) -> None:
@@ -96,6 +92,7 @@ class SpanVotes:
             votes = self.votes[:limit]
             self.anchors = pinned_anchors(votes, self.spans, self.before, self.after, merge)
             self.chosen = passage_rows(self.anchors, len(votes), self.before, self.after)
+            self._row_rank = run_ranks(self.chosen, self.anchors)
         return self.chosen[self.chosen < limit]
 
 
@@ -126,6 +123,17 @@ def pinned_rows(votes: np.ndarray, spans: int, before: int, after: int, merge: b
     their rows, :func:`pinned_anchors`); a passage is ``anchor - before .. anchor + after - 1``,
     clipped to the rows there are."""
     return passage_rows(pinned_anchors(votes, spans, before, after, merge), len(votes), before, after)
+
+
+def run_ranks(chosen: np.ndarray, anchors: list[int]) -> np.ndarray:
+    """For each of the sorted pinned rows ``chosen``: the rank of the best anchor in its run of
+    consecutive rows (passages that join are one run)."""
+    starts = np.concatenate([[0], np.flatnonzero(np.diff(chosen) != 1) + 1]) if len(chosen) else np.empty(0, np.int64)
+    run_rank = np.full(len(starts), len(anchors), np.int64)
+    for i, a in enumerate(anchors):
+        run = np.searchsorted(chosen[starts], a, side="right") - 1
+        run_rank[run] = min(run_rank[run], i)
+    return run_rank[np.searchsorted(starts, np.arange(len(chosen)), side="right") - 1]
 
 
 def passage_rows(anchors: list[int], n: int, before: int, after: int) -> np.ndarray:
