@@ -446,9 +446,10 @@ class IceLayer(CacheLayerMixin):
             gap = self.remap.gap_for(rows)
             # rows near the window keep their true distance if the packed rest still fits
             keep = min(self.remap.keep, room + 1 - rows * gap)
-            offset, count = ordered_offsets(self._placing_order(valid), valid, gap, top, keep)
+            with_sink = self._with_sink() if self.pinned is not None else None  # once for both calls
+            offset, count = ordered_offsets(self._placing_order(valid, with_sink), valid, gap, top, keep)
             if self.remap.pin_gap and self.pinned is not None:
-                offset, count = self._behind_pinned(offset, count, valid, room)
+                offset, count = self._behind_pinned(offset, count, valid, room, with_sink)
         elif self.remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
             rule = scaled_offsets if self.remap.pages == "scaled" else spread_offsets
             offset, count = rule(r.pool_row, valid, top, self.remap.keep, room)
@@ -458,7 +459,7 @@ class IceLayer(CacheLayerMixin):
         return place_keys(self.remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
     def _behind_pinned(self, offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray,
-                       room: int) -> tuple[torch.Tensor, torch.Tensor]:
+                       room: int, with_sink: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """``remap_pin_gap``: the ordered offsets (and the span, where the sink goes) with the
         sink, the selected pages' rows and the rows that stay with the sink (:meth:`_with_sink`)
         ``pin_gap`` positions farther back (less where the trained context has no room for it);
@@ -471,7 +472,7 @@ class IceLayer(CacheLayerMixin):
         gap = min(self.remap.pin_gap, room - int(count.max()) if count.numel() else 0)
         if gap <= 0:
             return offset, count
-        with_sink = self._with_sink()
+        with_sink = self._with_sink() if with_sink is None else with_sink
         if self.votes.best < with_sink:  # the best passage continues the sink: it stays near, with the sink
             return offset, count
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
@@ -495,7 +496,7 @@ class IceLayer(CacheLayerMixin):
         end = int(rows[breaks[0]]) + 1 if len(breaks) else int(rows[-1]) + 1  # the first run's end
         return max(lead, end)
 
-    def _placing_order(self, valid: np.ndarray) -> np.ndarray:
+    def _placing_order(self, valid: np.ndarray, with_sink: int | None = None) -> np.ndarray:
         """The pool rows' order keys for the ordered placement: host rows (token order), except
         that pinned answer passages come after the selected rows, nearest the window, in their own
         order (a passage that stays with the sink, :meth:`_with_sink`, stays where token order
@@ -509,7 +510,7 @@ class IceLayer(CacheLayerMixin):
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
         pin, ok = keys[:, cut:], valid[:, cut:]
         last = np.where(valid[:, :cut], keys[:, :cut], -1).max(axis=1, keepdims=True)
-        move = ok & (pin >= self._with_sink())
+        move = ok & (pin >= (self._with_sink() if with_sink is None else with_sink))
         if self.remap.pin_gap:  # by votes: the best passage nearest the window, each in token order
             worse = self.votes.spans - self.votes.passage_rank(pin)
             pin = worse * (int(pin.max()) + 1) + pin
