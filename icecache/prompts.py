@@ -24,13 +24,23 @@ def summarize_messages(document: str) -> Messages:
 
 
 def qa_messages(document: str, question: str) -> Messages:
+    """The question after the document, asked for a short answer, and the reply's slot marked
+    ``Answer:``. Generated long reports at 32k tokens, six documents, three facts each, the
+    embedded model with ice at budget 256, from the same prefills: 17 of 18 facts found, where
+    the earlier wording ("Answer this question about the document above: Q") found 15, its
+    answers opening in the document's voice ("The document suggests that the new lamp ...")
+    and not coming back to the fact (docs/results.md, session 50)."""
     return [
         {
             "role": "user",
             "content": f"Here is a document.\n\n{document.strip()}\n\n"
-            f"Answer this question about the document above: {question.strip()}",
+            "Using the document above, answer the question below as briefly as possible: one "
+            f"phrase or one sentence.\n\nQuestion: {question.strip()}\n{ANSWER_CUE}",
         }
     ]
+
+
+ANSWER_CUE = "Answer:"  # where a reply starts, for a base model too (:func:`render`)
 
 
 def cot_messages(problem: str) -> Messages:
@@ -60,12 +70,14 @@ def render(tokenizer: Any, messages: Messages) -> list[int]:
     """Token ids of ``messages`` through the chat template, ready for the assistant's reply.
 
     A tokenizer without a chat template (a base model) gets the plain contents followed by
-    ``Answer:``.
+    ``Answer:`` (once: a qa prompt ends with it).
     """
     if getattr(tokenizer, "chat_template", None):
         enc = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_dict=True)
         return list(enc["input_ids"])
-    text = "\n\n".join(m["content"] for m in messages) + "\n\nAnswer:"
+    text = "\n\n".join(m["content"] for m in messages)
+    if not text.endswith(ANSWER_CUE):  # (a qa prompt ends with it already)
+        text += "\n\n" + ANSWER_CUE
     return list(tokenizer(text)["input_ids"])
 
 

@@ -1,8 +1,8 @@
-"""Final-answer extraction for chain-of-thought output."""
+"""The task prompts, and final-answer extraction for chain-of-thought output."""
 
 import pytest
 
-from icecache.prompts import extract_answer
+from icecache.prompts import document_prefix, extract_answer, qa_messages, render, summarize_messages
 
 
 @pytest.mark.parametrize(
@@ -21,3 +21,30 @@ from icecache.prompts import extract_answer
 )
 def test_extract_answer(text, answer):
     assert extract_answer(text) == answer
+
+
+class _PlainTokenizer:
+    """A base model's tokenizer (no chat template): one id per character."""
+
+    chat_template = None
+
+    def __call__(self, text):
+        return {"input_ids": [ord(c) for c in text]}
+
+
+def test_a_qa_prompt_asks_after_the_document_and_leaves_the_answers_slot_last():
+    text = qa_messages("  The ferry is the Silver Heron.\n", " What is the ferry called? ")[0]["content"]
+    assert text.startswith("Here is a document.\n\nThe ferry is the Silver Heron.\n\n")
+    assert text.endswith("\n\nQuestion: What is the ferry called?\nAnswer:")
+    assert "briefly" in text
+
+
+def test_a_base_model_gets_the_answer_cue_once_and_the_document_prefix_is_shared():
+    tok = _PlainTokenizer()
+    doc = "Line one of the report. Line two."
+    qa = "".join(map(chr, render(tok, qa_messages(doc, "Which line?"))))
+    assert qa.endswith("Question: Which line?\nAnswer:") and qa.count("Answer:") == 1
+    summary = "".join(map(chr, render(tok, summarize_messages(doc))))
+    assert summary.endswith("\n\nAnswer:")  # other tasks get the cue added
+    n = document_prefix(tok, doc)
+    assert qa[:n] == summary[:n] and doc in qa[:n]  # the document cache's cut covers the document
