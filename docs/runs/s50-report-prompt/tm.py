@@ -33,6 +33,8 @@ if QAP:
         "p1": "Answer the question based on the document above, as concisely as you can, in a single phrase or sentence.\n\nQuestion: {q}\nAnswer:",
         "p4": "Using the document above, answer the question below as briefly as possible: one phrase or one sentence.\n\nQuestion: {q}\nAnswer:",
         "p0": "Answer this question about the document above: {q}",
+        "p5": "Using the document above, answer the question below in one sentence.\n\nQuestion: {q}\nAnswer:",
+        "p6": "Answer the question below from the document above.\n\nQuestion: {q}\nAnswer:",
         "p2": "Using only the document above, answer this question in one short sentence: {q}",
         "p3": "Question about the document above: {q}\nAnswer in one sentence that repeats the question's subject.",
     }
