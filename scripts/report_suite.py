@@ -16,16 +16,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
-import subprocess
+import shutil
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from long_report import FACTS, document, found  # noqa: E402
+from long_report import FACTS, cli, document, found  # noqa: E402
 
 
 def seed_list(spec: str) -> list[int]:
@@ -47,12 +46,8 @@ def variant(spec: str) -> tuple[str, list[str]]:
 
 def ask(doc: Path, cache: Path, flags: list[str]) -> list[str]:
     questions = [x for _s, _f, q, _a in FACTS for x in ("-q", q)]
-    cmd = [sys.executable, "-m", "icecache_cli", "qa", str(doc), *questions, "--max-new-tokens", "24",
-           "--doc-cache", str(cache), "--json", *flags]
-    r = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "NO_COLOR": "1"})
-    if r.returncode:
-        sys.exit(f"qa failed ({r.returncode}): {r.stderr.strip()[-800:]}")
-    return json.loads(r.stdout)["output"]
+    out, _stats, _took = cli(["qa", str(doc), *questions, "--max-new-tokens", "24", "--doc-cache", str(cache), *flags])
+    return out["output"]
 
 
 def main() -> None:
@@ -87,7 +82,7 @@ def main() -> None:
                     with a.out.open("a") as f:
                         f.write(json.dumps(row) + "\n")
             if a.keep is None:
-                subprocess.run(["rm", "-rf", str(where)], check=False)
+                shutil.rmtree(where, ignore_errors=True)
     print(f"\n{a.tokens} tokens, seeds {','.join(map(str, a.seeds))}: facts found")
     print("variant | all | " + " | ".join(f"{s:.0%} deep" for s, *_ in FACTS))
     for name, _ in variants:
