@@ -23,35 +23,66 @@ def summarize_messages(document: str) -> Messages:
     ]
 
 
-def qa_messages(document: str, question: str) -> Messages:
-    """The question after the document, asked for a short answer, and the reply's slot marked
-    ``Answer:``. Generated long reports at 32k tokens, six documents, three facts each, the
-    embedded model with ice at budget 256, from the same prefills: 17 of 18 facts found, where
-    the earlier wording ("Answer this question about the document above: Q") found 15, its
-    answers opening in the document's voice ("The document suggests that the new lamp ...")
-    and not coming back to the fact. At 6k tokens (full attention) it found 14 to the earlier 16,
-    the middle fact missed more often (docs/results.md, session 50)."""
-    return [
-        {
-            "role": "user",
-            "content": f"Here is a document.\n\n{document.strip()}\n\n"
-            "Using the document above, answer the question below as briefly as possible: one "
-            f"phrase or one sentence.\n\nQuestion: {question.strip()}\n{ANSWER_CUE}",
-        }
-    ]
+# The task wordings: for qa, what follows the document (``{question}`` where the question goes);
+# for cot, the whole message (``{problem}``). The shipped ones are :data:`SHIPPED`; ``icecache
+# eval --tasks prompts --prompt NAME ...`` compares them over the prompt suite's document kinds
+# (docs/prompts.md has the table the shipped choice rests on).
+WORDINGS = {
+    "qa": {
+        "brief": "Using the document above, answer the question below as briefly as possible: one "
+                 "phrase or one sentence.\n\nQuestion: {question}\nAnswer:",
+        "brief-open": "Using the document above, answer the question below as briefly as possible: "
+                      "one phrase or one sentence.\n\nQuestion: {question}",
+        "earlier": "Answer this question about the document above: {question}",
+        "plain": "{question}",
+        "short": "Answer this question about the document above in one short sentence: {question}",
+        "question": "Question about the document above: {question}\nAnswer in one sentence.",
+        "lead": "Answer this question about the document above, starting with the answer: {question}",
+        "read": "Read the document above and answer this question: {question}",
+        "earlier-cue": "Answer this question about the document above: {question}\nAnswer:",
+        "find-cue": "Find the answer to this question in the document above: {question}\nAnswer:",
+        "exact": "Answer this question about the document above: {question} Give the exact number or "
+                 "name the document states.",
+        "find": "Find the answer to this question in the document above: {question}",
+        "quote": "Answer this question with the words of the document above: {question}",
+    },
+    "cot": {
+        "steps": "{problem}\n\nSolve this step by step. Finish with a last line of the form "
+                 "'Answer: <final answer>'.",
+        "think": "{problem}\n\nThink it through step by step, then give the final number on a last "
+                 "line 'Answer: N'.",
+    },
+}
+SHIPPED = {"qa": "brief", "cot": "steps"}
+SLOTS = {"qa": "{question}", "cot": "{problem}"}
+
+
+def wording(task: str, name_or_template: str | None = None) -> str:
+    """The template of ``task``'s wording ``name_or_template``: a name of :data:`WORDINGS`, a
+    template of one's own (holding the task's slot, :data:`SLOTS`), or None for the shipped one.
+    ``ValueError`` for anything else."""
+    known = WORDINGS[task]
+    name = SHIPPED[task] if name_or_template is None else name_or_template
+    if name in known:
+        return known[name]
+    if SLOTS[task] not in name:
+        raise ValueError(f"'{name}' is neither a {task} wording ({', '.join(known)}) nor a template "
+                         f"with {SLOTS[task]}")
+    return name
+
+
+def qa_messages(document: str, question: str, wording_: str | None = None) -> Messages:
+    """The question after the document, in the wording ``wording_`` (:func:`wording`)."""
+    text = wording("qa", wording_).replace("{question}", question.strip())
+    return [{"role": "user", "content": f"Here is a document.\n\n{document.strip()}\n\n{text}"}]
 
 
 ANSWER_CUE = "Answer:"  # where a reply starts, for a base model too (:func:`render`)
 
 
-def cot_messages(problem: str) -> Messages:
-    return [
-        {
-            "role": "user",
-            "content": f"{problem.strip()}\n\nSolve this step by step. Finish with a last line "
-            "of the form 'Answer: <final answer>'.",
-        }
-    ]
+def cot_messages(problem: str, wording_: str | None = None) -> Messages:
+    """The problem and the request to solve it, in the wording ``wording_`` (:func:`wording`)."""
+    return [{"role": "user", "content": wording("cot", wording_).replace("{problem}", problem.strip())}]
 
 
 def document_prefix(tokenizer: Any, document: str) -> int:

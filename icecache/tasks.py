@@ -208,24 +208,26 @@ class Runner:
         return self._result("summarize", text, [stats], t0)
 
     def qa(self, document: str, questions: list[str], max_new_tokens: int = 64, on_progress: Progress | None = None,
-           repetition_penalty: float = 1.0) -> TaskResult:
+           repetition_penalty: float = 1.0, wording: str | None = None) -> TaskResult:
+        """Each question answered from ``document``; ``wording``: a qa wording other than the
+        shipped one (:func:`icecache.prompts.wording`)."""
         check_questions(questions)
         t0 = time.perf_counter()
         # Check every prompt before generating anything: no partial answers for a bad input.
         for q in questions:
-            ids = prompts.render(self.loaded.tokenizer, prompts.qa_messages(document, q))
+            ids = prompts.render(self.loaded.tokenizer, prompts.qa_messages(document, q, wording))
             self._check_fits(ids, document, max_new_tokens)
         answers, all_stats = [], []
         for q in questions:
-            messages = prompts.qa_messages(document, q)
+            messages = prompts.qa_messages(document, q, wording)
             text, stats = self._run(messages, document, max_new_tokens, on_progress, repetition_penalty)
             answers.append(text)
             all_stats.append(stats)
         return self._result("qa", answers, all_stats, t0, questions=list(questions))
 
     def cot(self, problem: str, max_new_tokens: int = 512, on_progress: Progress | None = None,
-            repetition_penalty: float = 1.0) -> TaskResult:
+            repetition_penalty: float = 1.0, wording: str | None = None) -> TaskResult:
         t0 = time.perf_counter()
-        messages = prompts.cot_messages(problem)
+        messages = prompts.cot_messages(problem, wording)
         text, stats = self._run(messages, problem, max_new_tokens, on_progress, repetition_penalty, shared=False)
         return self._result("cot", text, [stats], t0, answer=prompts.extract_answer(text))

@@ -12,14 +12,18 @@ from rich.table import Table
 
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
+from icecache.prompts import WORDINGS
 from icecache.variants import RUN_KEYS, parse_methods
 
 from .bench import parse_size
 from .output import Reporter, emit, stderr, user_errors
 
+WORDING_NAMES = "; ".join(f"{task}: {', '.join(names)}" for task, names in WORDINGS.items())
+
 
 def evaluate(
-    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, niah_prose, vt, fwe, gsm8k, longbench, fidelity.")] = "passkey",
+    tasks: Annotated[str, typer.Option("--tasks", help="Tasks, comma-separated: passkey, niah_single, niah_multikey, niah_multivalue, niah_prose, vt, fwe, gsm8k, longbench, fidelity; the prompt suite's kinds (passkey_doc, code_prose, locker_list, fact_prose, report, log, table, memo, cot), or 'prompts' for all of them.")] = "passkey",
+    prompt: Annotated[list[str] | None, typer.Option("--prompt", metavar="WORDING", help=f"The prompt suite: a qa or cot wording to compare (repeat): a name ({WORDING_NAMES}) or LABEL=TEMPLATE with {{question}} or {{problem}}. Default: the shipped wordings.", show_default=False)] = None,
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (full is the reference). A method may change profile keys for its own cells: 'ice\\[answer_spans=3,window_pages=8]' (not the budget, which --budgets gives, nor the model's keys).")] = "full,ice",
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens, comma-separated.")] = "64,128,256",
     lengths: Annotated[str, typer.Option("--lengths", help="Prompt lengths in tokens (2k = 2048).")] = "2k",
@@ -46,10 +50,20 @@ def evaluate(
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:
-        task_list = [t.strip() for t in tasks.split(",") if t.strip()]
-        for t in task_list:
-            if t not in runner.TASKS:
-                raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)})")
+        task_list = []
+        for t in (t.strip() for t in tasks.split(",") if t.strip()):
+            if t not in runner.TASKS and t not in runner.GROUPS:
+                raise UsageError(f"--tasks: unknown task '{t}' (known: {', '.join(runner.TASKS)}, "
+                                 f"{', '.join(runner.GROUPS)})")
+            task_list += [x for x in runner.GROUPS.get(t, (t,)) if x not in task_list]
+        from icecache.evals import suite
+
+        try:
+            wording_names, own_wordings = suite.parse_wordings(prompt or [])
+        except ValueError as exc:
+            raise UsageError(f"--prompt: {exc}") from None
+        if prompt and not any(t in suite.KINDS for t in task_list):
+            raise UsageError("--prompt compares wordings on the prompt suite's kinds: add them to --tasks (e.g. prompts)")
         # eval measures the methods at their budgets: ice keeps its sparse layers on short
         # documents too, unless a variant says otherwise ('ice[dense_until=8192]')
         settings = resolve_settings(profile, prefill=prefill, chunk_size=chunk_size, positions=positions,
@@ -91,11 +105,11 @@ def evaluate(
                 raise UsageError(f"--plot: folder {plot.parent} does not exist")
         if out is not None and out.exists() and not out.is_dir():
             raise UsageError(f"--out: {out} exists and is not a folder")
-        all_cells = runner.cells(task_list, method_list, budget_list, length_list)
+        all_cells = runner.cells(task_list, method_list, budget_list, length_list, wording_names)
         config = {"tasks": task_list, "methods": method_list, "budgets": budget_list,
                   "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
                   "data": data, "settings": settings.__dict__, "model": model or "embedded",
-                  "depths": depth_list}
+                  "depths": depth_list, "wordings": own_wordings}
         if out is not None:
             runner.check_resumable(out, config)
             out.mkdir(parents=True, exist_ok=True)
@@ -103,16 +117,17 @@ def evaluate(
         done = runner.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
         ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data,
-                              depths=depth_list, out=out, variants=variants)
+                              depths=depth_list, out=out, variants=variants, wordings=own_wordings)
         rows = []
         for i, cell in enumerate(all_cells):
             if cell.key() in done:
                 rows.append(done[cell.key()])
                 continue
-            rep.info(f"[{i + 1}/{len(all_cells)}] {cell.task} {cell.method} budget {cell.budget or '-'} length {cell.length}")
+            rep.info(f"[{i + 1}/{len(all_cells)}] {cell.task} {cell.method} budget {cell.budget or '-'} length {cell.length}"
+                     + (f" wording {cell.prompt}" if cell.prompt else ""))
             result = ev.run(cell, [c for c in all_cells[i + 1:] if c.key() not in done])
             row = {"task": cell.task, "method": cell.method, "budget": cell.budget,
-                   "length": cell.length, **result}
+                   "length": cell.length, **({"prompt": cell.prompt} if cell.prompt else {}), **result}
             runner.append(out, row)
             rows.append(row)
             rep.progress("cells", i + 1, len(all_cells))
@@ -131,18 +146,42 @@ def evaluate(
                 stderr.print(f"picture written to {plot}", soft_wrap=True)
         if as_json:
             emit(json.dumps({"results": [
-                {k: r[k] for k in ("task", "method", "budget", "length", "n", "score") if k in r}
+                {k: r[k] for k in ("task", "method", "budget", "length", "prompt", "n", "score") if k in r}
                 | ({"mean_kl": r["mean_kl"]} if "mean_kl" in r else {}) for r in rows]}))
 
 
 def print_table(rows: list[dict]) -> None:
-    full = {(r["task"], r["length"]): r["score"] for r in rows if r["method"] == "full"}
+    full = {(r["task"], r["length"], r.get("prompt", "")): r["score"] for r in rows if r["method"] == "full"}
+    worded = any(r.get("prompt") for r in rows)
     t = Table(title="icecache eval", box=None)
-    for c in ("task", "length", "method", "budget", "n", "score", "% of full", "mean KL"):
+    for c in ("task", "length", "method", "budget", *(("wording",) if worded else ()), "n", "score", "% of full", "mean KL"):
         t.add_column(c)
     for r in rows:
-        ref = full.get((r["task"], r["length"]))
+        ref = full.get((r["task"], r["length"], r.get("prompt", "")))
         pct = f"{100 * r['score'] / ref:.1f}" if ref else "-"
-        t.add_row(r["task"], str(r["length"]), escape(r["method"]), str(r["budget"] or "-"), str(r["n"]),
+        t.add_row(r["task"], str(r["length"]), escape(r["method"]), str(r["budget"] or "-"),
+                  *((escape(r.get("prompt") or "shipped"),) if worded else ()), str(r["n"]),
                   f"{r['score']:.3f}", pct, f"{r['mean_kl']:.4f}" if "mean_kl" in r else "")
     stderr.print(t)
+    print_wordings(rows)
+
+
+def print_wordings(rows: list[dict]) -> None:
+    """The prompt suite's rows as one Markdown table per (length, method, budget) on stderr: a
+    line per wording, its answers found of those asked for each kind, and its worst kind's
+    share among the kinds that some wording answers (a kind none answers tells none apart)."""
+    from icecache.evals import suite
+
+    mine = [r for r in rows if r["task"] in suite.KINDS and "asked" in r]
+    for length, method, budget in dict.fromkeys((r["length"], r["method"], r["budget"]) for r in mine):
+        part = [r for r in mine if (r["length"], r["method"], r["budget"]) == (length, method, budget)]
+        kinds = list(dict.fromkeys(r["task"] for r in part))
+        telling = {r["task"] for r in part if r["score"] > 0}
+        lines = [f"prompt suite, {length} tokens, {method}" + (f" @ {budget}" if budget else ""),
+                 "| wording | " + " | ".join(kinds) + " | worst |", "|---" * (len(kinds) + 2) + "|"]
+        for w in dict.fromkeys(r.get("prompt", "") for r in part):
+            got = {r["task"]: r for r in part if r.get("prompt", "") == w}
+            cells = [f"{round(got[k]['score'] * got[k]['asked'])}/{got[k]['asked']}" if k in got else "" for k in kinds]
+            worst = min((got[k]["score"] for k in got if k in telling), default=0.0)
+            lines.append(f"| {w or 'shipped'} | " + " | ".join(cells) + f" | {worst:.2f} |")
+        stderr.print(escape("\n".join(lines)), soft_wrap=True, highlight=False)

@@ -20,34 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-# (share of the document before the fact, the sentence, the question, the words the answer needs)
-FACTS = [
-    (0.03, "Important note: the secret code of the harbor office is 48213.",
-     "What is the secret code of the harbor office?", "48213"),
-    (0.50, "Important note: the lighthouse keeper's cat is named Pepper.",
-     "What is the name of the lighthouse keeper's cat?", "Pepper"),
-    (0.97, "Important note: the ferry to Varno Island is called the Silver Heron.",
-     "What is the ferry to Varno Island called?", "Silver Heron"),
-]
-
-
-def document(tokens: int, seed: int = 5) -> str:
-    """Generated prose of about ``tokens`` tokens with :data:`FACTS` planted at their shares,
-    each at a paragraph or sentence boundary."""
-    from icecache.textgen import generated_text
-
-    text = generated_text(int(tokens * 0.75), seed=seed)  # about 1.33 tokens per word
-    out, last = [], 0
-    for share, sentence, _q, _a in FACTS:
-        at = text.find(". ", int(len(text) * share)) + 2  # after a sentence's end
-        out += [text[last:at], sentence + " "]
-        last = at
-    out.append(text[last:])
-    return "".join(out)
-
-
-def found(answer: str, expected: str) -> bool:
-    return all(w.lower() in answer.lower() for w in expected.split())
+from icecache.evals.suite import REPORT_FACTS as FACTS  # the report's planted facts
+from icecache.evals.suite import answered as found
+from icecache.evals.suite import report_document as document
 
 
 def cli(args: list[str]) -> tuple[dict, dict, float]:

@@ -19,10 +19,12 @@ class Grid:
     depths: list[float]
     cells: list[list[float | None]]  # [depth row][length column]
     counts: list[list[int]]
+    prompt: str = ""  # the prompt suite's wording ("": the shipped one)
 
     @property
     def title(self) -> str:
-        return f"{self.task} · {self.method}" + (f" @ {self.budget}" if self.budget else "")
+        return (f"{self.task} · {self.method}" + (f" @ {self.budget}" if self.budget else "")
+                + (f" · {self.prompt}" if self.prompt else ""))
 
     @property
     def overall(self) -> float:
@@ -34,14 +36,14 @@ class Grid:
 
 
 def depth_grids(rows: list[dict]) -> list[Grid]:
-    """One :class:`Grid` per (task, method, budget) among ``rows`` whose cases carry depths."""
+    """One :class:`Grid` per (task, method, budget, wording) among ``rows`` whose cases carry depths."""
     groups: dict[tuple, dict[int, dict]] = {}
     for r in rows:
         if "depths" not in r or "detail" not in r:
             continue
-        groups.setdefault((r["task"], r["method"], r["budget"]), {})[r["length"]] = r
+        groups.setdefault((r["task"], r["method"], r["budget"], r.get("prompt", "")), {})[r["length"]] = r
     grids = []
-    for (task, method, budget), by_length in groups.items():
+    for (task, method, budget, prompt), by_length in groups.items():
         lengths = sorted(by_length)
         depths = sorted({d for r in by_length.values() for d in r["depths"]})
         sums = [[0.0] * len(lengths) for _ in depths]
@@ -53,5 +55,5 @@ def depth_grids(rows: list[dict]) -> list[Grid]:
                 sums[i][j] += s
                 counts[i][j] += 1
         cells = [[s / c if c else None for s, c in zip(srow, crow, strict=True)] for srow, crow in zip(sums, counts, strict=True)]
-        grids.append(Grid(task, method, budget, lengths, depths, cells, counts))
+        grids.append(Grid(task, method, budget, lengths, depths, cells, counts, prompt))
     return grids

@@ -18,9 +18,10 @@ from ..generation import Session, prefill_once
 from ..prompts import qa_messages, render, summarize_messages
 from ..textgen import generated_text
 from ..variants import base_method
-from . import fidelity, passkey, ruler
+from . import fidelity, passkey, ruler, suite
 
-TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity")
+TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity", *suite.KINDS)
+GROUPS = {"prompts": suite.KINDS}  # --tasks prompts: every kind of the prompt suite
 DATA_TASKS = ("gsm8k", "longbench")  # these read --data
 NEW_TOKENS = {"niah_single": 16, "niah_prose": 16, "niah_multikey": 16, "niah_multivalue": 48, "vt": 40, "fwe": 24}
 
@@ -31,9 +32,10 @@ class Cell:
     method: str
     budget: int
     length: int
+    prompt: str = ""  # the prompt suite's kinds: the wording's name ("": the shipped one)
 
     def key(self) -> tuple:
-        return (self.task, self.method, self.budget, self.length)
+        return (self.task, self.method, self.budget, self.length, self.prompt)
 
     @property
     def base(self) -> str:
@@ -41,13 +43,16 @@ class Cell:
         return base_method(self.method)
 
 
-def cells(tasks, methods, budgets, lengths) -> list[Cell]:
+def cells(tasks, methods, budgets, lengths, prompts: dict[str, list[str]] | None = None) -> list[Cell]:
+    """Every (task, length, method, budget) cell; a prompt suite kind's cells once per wording of
+    its task in ``prompts`` (task -> names; none given: the shipped one)."""
     out = []
     for task in tasks:
+        wordings = (prompts or {}).get(suite.task_of(task), []) if task in suite.KINDS else []
         for length in lengths:
             for method in methods:
                 for budget in (budgets if methods_.get(base_method(method)).budgeted else [0]):
-                    out.append(Cell(task, method, budget, length))
+                    out += [Cell(task, method, budget, length, w) for w in wordings or [""]]
     return out
 
 
@@ -69,8 +74,10 @@ def fidelity_prompts(tokenizer, length: int, n: int, seed: int) -> list[list[int
 class Evaluator:
     def __init__(self, loaded, settings, n: int, seed: int, new_tokens: int = 160,
                  log: Callable[[str], None] = lambda _m: None, data: str | None = None,
-                 depths: list[float] | None = None, out: Path | None = None, variants: dict | None = None):
+                 depths: list[float] | None = None, out: Path | None = None, variants: dict | None = None,
+                 wordings: dict[str, str] | None = None):
         self.loaded, self.settings, self.n, self.seed = loaded, settings, n, seed
+        self.wordings = dict(wordings or {})  # a wording's label -> its template (names stand for themselves)
         # a method label with profile keys changed ('ice[answer_spans=3]') -> its settings
         self.variants = dict(variants or {})
         self.out = out  # with --out: each case's score is kept as it is made (cases.jsonl)
@@ -105,7 +112,64 @@ class Evaluator:
             return self._gsm8k(cell)
         if cell.task == "longbench":
             return self._longbench(cell)
+        if cell.task in suite.KINDS:
+            return self._suite(cell)
         raise ValueError(cell.task)
+
+    def _suite(self, cell: Cell) -> dict:
+        """A prompt suite kind: each case's document asked through the product's own qa or cot
+        (:class:`icecache.tasks.Runner`) by every cell of the same kind and length (methods,
+        budgets, wordings) before the next case. The document's prefill is shared through a
+        document cache of the case's own (a temporary folder, every prompt length), so each
+        wording and question costs only its own tokens."""
+        import shutil
+        import tempfile
+
+        from ..tasks import Runner
+
+        cases = suite.cases(cell.task, self.loaded.tokenizer, cell.length, self.n, self.seed)
+        group = [cell] + [c for c in self._siblings
+                          if c.key() != cell.key() and (c.task, c.length) == (cell.task, cell.length)]
+        scores: dict[tuple, dict[int, float]] = {c.key(): {} for c in group}
+        with tempfile.TemporaryDirectory(prefix="icecache-suite-") as tmp:
+            for i, case in enumerate(cases):
+                for c in group:
+                    if (c.key(), i) in self._cases:  # scored by an earlier, interrupted run
+                        scores[c.key()][i] = self._cases[(c.key(), i)]
+                todo = [c for c in group if i not in scores[c.key()]]
+                runners: dict[tuple, Runner] = {}
+                for c in todo:
+                    if (c.method, c.budget) not in runners:
+                        settings = self._settings(c).replace(doc_cache=str(Path(tmp) / str(i)),
+                                                             doc_cache_min_tokens=1)
+                        runners[(c.method, c.budget)] = Runner(self.loaded, settings, c.base)
+                    runner = runners[(c.method, c.budget)]
+                    wording = self.wordings.get(c.prompt, c.prompt) or None
+                    if case.task == "cot":
+                        outputs = [runner.cot(case.document, suite.COT_TOKENS, wording=wording).output]
+                    else:
+                        outputs = runner.qa(case.document, [a.question for a in case.asks], suite.QA_TOKENS,
+                                            wording=wording).output
+                    got = [suite.score(case, a, o) for a, o in zip(case.asks, outputs, strict=True)]
+                    scores[c.key()][i] = self._cases[(c.key(), i)] = sum(got) / len(got)
+                    append_case(self.out, c.key(), i, scores[c.key()][i], " | ".join(outputs),
+                                [a.expected for a in case.asks])
+                del runners
+                shutil.rmtree(Path(tmp) / str(i), ignore_errors=True)
+                self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
+                    f"{scores[c.key()][i]:g} ({_suite_label(c)})" for c in group))
+        rows = {}
+        for c in group:
+            got = [scores[c.key()][i] for i in range(len(cases))]
+            row = {"score": sum(got) / len(got), "n": len(got), "detail": got,
+                   "asked": len(cases) * len(cases[0].asks)}
+            if cases[0].depth is not None:
+                row["depths"] = [x.depth for x in cases]
+            rows[c.key()] = row
+        for key, row in rows.items():
+            if key != cell.key():
+                self._ahead[key] = row
+        return rows[cell.key()]
 
     def _gsm8k(self, cell: Cell) -> dict:
         from . import gsm8k
@@ -236,6 +300,10 @@ class Evaluator:
         return {"score": agree / max(1, total), "n": total, "mean_kl": kl / max(1, total)}
 
 
+def _suite_label(cell: Cell) -> str:
+    return cell.method + (f" {cell.budget}" if cell.budget else "") + f" {cell.prompt or 'shipped'}"
+
+
 def _label(cell: Cell, one_method: bool) -> str:
     """How a progress line names a cell among those computed for one case."""
     if one_method:
@@ -243,8 +311,8 @@ def _label(cell: Cell, one_method: bool) -> str:
     return f" ({cell.method}" + (f" budget {cell.budget})" if cell.budget else ")")
 
 
-# What a finished cell's score depends on besides its own (task, method, budget, length).
-CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model", "depths")
+# What a finished cell's score depends on besides its own (task, method, budget, length, wording).
+CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model", "depths", "wordings")
 
 
 def check_resumable(out: Path, config: dict) -> None:
@@ -271,6 +339,12 @@ def check_resumable(out: Path, config: dict) -> None:
             if diff:
                 raise UsageError(f"--out: {out} holds results made with other settings "
                                  f"({', '.join(diff)}); use another --out to keep both")
+        elif key == "wordings":
+            # a wording's label names its template: the same label must mean the same words
+            diff = sorted(k for k in set(a or {}) & set(b or {}) if a[k] != b[k])
+            if diff:
+                raise UsageError(f"--out: {out} holds results of other wordings named {', '.join(diff)}; "
+                                 "use other names or another --out")
         elif a != b:
             raise UsageError(f"--out: {out} holds results made with {key} {a!r}, not {b!r}; "
                              "use another --out to keep both")
@@ -284,7 +358,7 @@ def load_done(out: Path | None) -> dict[tuple, dict]:
                 r = json.loads(line)
             except json.JSONDecodeError:
                 continue  # a line cut by a kill: that cell runs again
-            done[(r["task"], r["method"], r["budget"], r["length"])] = r
+            done[(r["task"], r["method"], r["budget"], r["length"], r.get("prompt", ""))] = r
     return done
 
 
@@ -298,7 +372,8 @@ def load_cases(out: Path | None) -> dict[tuple, float]:
     for line in path.read_text().splitlines():
         try:
             r = json.loads(line)
-            done[(tuple(r["cell"]), int(r["case"]))] = float(r["score"])
+            cell = tuple(r["cell"])
+            done[(cell + ("",) * (5 - len(cell)), int(r["case"]))] = float(r["score"])  # (older rows: no wording)
         except (json.JSONDecodeError, KeyError, TypeError, ValueError):
             continue  # a line cut by a kill: that case runs again
     return done
