@@ -183,10 +183,13 @@ class Session:
             outgrown = not dense or (clamp is not None) != self.cache.clamped
         if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False) and not outgrown:
             drop = len(self.cached_ids) - keep
-            if drop:
-                self.cache.crop(-drop)  # a negative count removes that many trailing tokens
-            del self.cached_ids[keep:]
-            return keep
+            try:
+                if drop:
+                    self.cache.crop(-drop)  # a negative count removes that many trailing tokens
+                del self.cached_ids[keep:]
+                return keep
+            except RuntimeError:
+                pass  # a layer that cannot roll back (transformers' sliding-window layers, once full): start afresh
         self.cache = None  # the old cache's memory goes before the new one takes any
         self.cached_ids = []
         self.cache = self._new_cache(len(ids))

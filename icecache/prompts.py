@@ -24,27 +24,23 @@ def summarize_messages(document: str) -> Messages:
 
 
 # The task wordings: for qa, what follows the document (``{question}`` where the question goes);
-# for cot, the whole message (``{problem}``). The shipped ones are :data:`SHIPPED`; ``icecache
-# eval --tasks prompts --prompt NAME ...`` compares them over the prompt suite's document kinds
-# (docs/prompts.md has the table the shipped choice rests on).
+# for cot, the whole message (``{problem}``). ``icecache eval --tasks prompts --prompt NAME ...``
+# compares them over the prompt suite's kinds of document, and :data:`SHIPPED` names the ones
+# the commands use: for qa, the wording with the best worst kind inside the trained context
+# that loses no kind beyond it (docs/prompts.md has the tables). The one shipped before it,
+# ``brief``, was chosen on generated reports alone and answered standard passkey documents by
+# echoing the question ("The pass key is the pass key."); ``earlier`` answers passkeys but
+# opens many answers in the document's voice ("The document mentions that ...") and never
+# reaches the fact. ``find-cue`` asks to find the answer and leaves the reply's slot marked.
 WORDINGS = {
     "qa": {
+        "find-cue": "Find the answer to this question in the document above: {question}\nAnswer:",
         "brief": "Using the document above, answer the question below as briefly as possible: one "
                  "phrase or one sentence.\n\nQuestion: {question}\nAnswer:",
-        "brief-open": "Using the document above, answer the question below as briefly as possible: "
-                      "one phrase or one sentence.\n\nQuestion: {question}",
         "earlier": "Answer this question about the document above: {question}",
-        "plain": "{question}",
-        "short": "Answer this question about the document above in one short sentence: {question}",
-        "question": "Question about the document above: {question}\nAnswer in one sentence.",
         "lead": "Answer this question about the document above, starting with the answer: {question}",
         "read": "Read the document above and answer this question: {question}",
-        "earlier-cue": "Answer this question about the document above: {question}\nAnswer:",
-        "find-cue": "Find the answer to this question in the document above: {question}\nAnswer:",
-        "exact": "Answer this question about the document above: {question} Give the exact number or "
-                 "name the document states.",
-        "find": "Find the answer to this question in the document above: {question}",
-        "quote": "Answer this question with the words of the document above: {question}",
+        "short": "Answer this question about the document above in one short sentence: {question}",
     },
     "cot": {
         "steps": "{problem}\n\nSolve this step by step. Finish with a last line of the form "
@@ -53,7 +49,7 @@ WORDINGS = {
                  "line 'Answer: N'.",
     },
 }
-SHIPPED = {"qa": "brief", "cot": "steps"}
+SHIPPED = {"qa": "find-cue", "cot": "steps"}
 SLOTS = {"qa": "{question}", "cot": "{problem}"}
 
 

@@ -169,14 +169,15 @@ def print_table(rows: list[dict]) -> None:
 def print_wordings(rows: list[dict]) -> None:
     """The prompt suite's rows as one Markdown table per (length, method, budget) on stderr: a
     line per wording, its answers found of those asked for each kind, and its worst kind's
-    share among the kinds that some wording answers (a kind none answers tells none apart)."""
+    share among the kinds where some wording answers at least half (a kind that every wording
+    fails tells none apart)."""
     from icecache.evals import suite
 
     mine = [r for r in rows if r["task"] in suite.KINDS and "asked" in r]
     for length, method, budget in dict.fromkeys((r["length"], r["method"], r["budget"]) for r in mine):
         part = [r for r in mine if (r["length"], r["method"], r["budget"]) == (length, method, budget)]
         kinds = list(dict.fromkeys(r["task"] for r in part))
-        telling = {r["task"] for r in part if r["score"] > 0}
+        telling = {r["task"] for r in part if r["score"] >= 0.5}
         lines = [f"prompt suite, {length} tokens, {method}" + (f" @ {budget}" if budget else ""),
                  "| wording | " + " | ".join(kinds) + " | worst |", "|---" * (len(kinds) + 2) + "|"]
         for w in dict.fromkeys(r.get("prompt", "") for r in part):

@@ -151,3 +151,21 @@ def test_qa_answers_standard_passkey_documents(loaded, quick_profile, tmp_path, 
     for row in rows:
         name = row["path"].rsplit("/", 1)[-1]
         assert suite.answered(row["output"], want[name]), (name, row["output"])
+
+
+def test_a_cache_that_cannot_roll_back_is_started_afresh(loaded, cpu_settings):
+    """The next prompt over the same document reuses a cache by cropping it back to the shared
+    prefix; transformers' sliding-window layers refuse once full (Gemma 3 under ``full``): the
+    session then starts a new cache instead of failing."""
+    from icecache.generation import Session
+
+    class Unrollable:
+        is_croppable = True
+
+        def crop(self, n):
+            raise RuntimeError("`crop` was called, but the current layer does not track past states")
+
+    s = Session(loaded, cpu_settings, "full")
+    s.cache, s.cached_ids = Unrollable(), [1, 2, 3, 4]
+    assert s._start([1, 2, 3, 9]) == 0
+    assert not isinstance(s.cache, Unrollable) and s.cached_ids == []

@@ -34,17 +34,18 @@ class _PlainTokenizer:
 
 def test_a_qa_prompt_asks_after_the_document_and_leaves_the_answers_slot_last():
     text = qa_messages("  The ferry is the Silver Heron.\n", " What is the ferry called? ")[0]["content"]
-    assert text.startswith("Here is a document.\n\nThe ferry is the Silver Heron.\n\n")
-    assert text.endswith("\n\nQuestion: What is the ferry called?\nAnswer:")
-    assert "briefly" in text
+    assert text == ("Here is a document.\n\nThe ferry is the Silver Heron.\n\n"
+                    "Find the answer to this question in the document above: What is the ferry called?\nAnswer:")
 
 
 def test_a_base_model_gets_the_answer_cue_once_and_the_document_prefix_is_shared():
     tok = _PlainTokenizer()
     doc = "Line one of the report. Line two."
     qa = "".join(map(chr, render(tok, qa_messages(doc, "Which line?"))))
-    assert qa.endswith("Question: Which line?\nAnswer:") and qa.count("Answer:") == 1
+    assert qa.endswith("Which line?\nAnswer:") and qa.count("Answer:") == 1
     summary = "".join(map(chr, render(tok, summarize_messages(doc))))
     assert summary.endswith("\n\nAnswer:")  # other tasks get the cue added
+    earlier = "".join(map(chr, render(tok, qa_messages(doc, "Which line?", "earlier"))))
+    assert earlier.endswith("Which line?\n\nAnswer:")  # a wording without it too
     n = document_prefix(tok, doc)
-    assert qa[:n] == summary[:n] and doc in qa[:n]  # the document cache's cut covers the document
+    assert qa[:n] == summary[:n] == earlier[:n] and doc in qa[:n]  # the document cache's cut covers the document
