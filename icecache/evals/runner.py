@@ -158,18 +158,7 @@ class Evaluator:
                 shutil.rmtree(Path(tmp) / str(i), ignore_errors=True)
                 self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
                     f"{scores[c.key()][i]:g} ({_suite_label(c)})" for c in group))
-        rows = {}
-        for c in group:
-            got = [scores[c.key()][i] for i in range(len(cases))]
-            row = {"score": sum(got) / len(got), "n": len(got), "detail": got,
-                   "asked": len(cases) * len(cases[0].asks)}
-            if cases[0].depth is not None:
-                row["depths"] = [x.depth for x in cases]
-            rows[c.key()] = row
-        for key, row in rows.items():
-            if key != cell.key():
-                self._ahead[key] = row
-        return rows[cell.key()]
+        return self._rows(cell, group, scores, cases, asked=sum(len(c.asks) for c in cases))
 
     def _gsm8k(self, cell: Cell) -> dict:
         from . import gsm8k
@@ -245,12 +234,20 @@ class Evaluator:
             one_method = len({c.method for c in done}) == 1
             self.log(f"  case {i + 1}/{len(cases)}: " + ", ".join(
                 f"{scores[c.key()][i]:g}" + (_label(c, one_method) if len(done) > 1 else "") for c in done))
+        return self._rows(cell, group, scores, cases)
+
+    def _rows(self, cell: Cell, group: list[Cell], scores: dict[tuple, dict[int, float]], cases,
+              asked: int | None = None) -> dict:
+        """The rows of ``group``'s cells whose every case is scored (``cell``'s is returned, the
+        others kept for when they are asked for); ``asked``: the questions of all cases."""
         rows = {}
         for c in group:
             if len(scores[c.key()]) != len(cases):
                 continue  # not computed with this group: runs on its own
             got = [scores[c.key()][i] for i in range(len(cases))]
             row = {"score": sum(got) / len(got), "n": len(got), "detail": got}
+            if asked is not None:
+                row["asked"] = asked
             if getattr(cases[0], "depth", None) is not None:
                 row["depths"] = [x.depth for x in cases]  # for the length x depth picture
             rows[c.key()] = row
