@@ -58,7 +58,8 @@ def test_cells_and_resume(tmp_path):
     with open(tmp_path / "results.jsonl", "a") as f:
         f.write('{"task": "passkey", "meth')  # a line cut by a kill
     done = runner.load_done(tmp_path)
-    assert list(done) == [("passkey", "full", 0, 1000)]
+    assert list(done) == [("passkey", "full", 0, 1000, "")]  # (a row without a wording: the shipped one's)
+    assert list(done) == [cells[0].key()]
 
 
 def test_eval_command_json_and_resume(tmp_path):

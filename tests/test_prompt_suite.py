@@ -120,9 +120,9 @@ def test_suite_cells_share_each_cases_prefill_and_score_like_alone(loaded, cpu_s
     rows = [ev.run(c, cells[i + 1:]) for i, c in enumerate(cells)]
     assert len(prefilled) == 9  # three questions each
     assert max(prefilled) > 600 and sorted(prefilled)[-2] < 80  # the document once, then each prompt's end
-    for c, row in zip(cells, rows, strict=True):
-        assert row["asked"] == 3 and row["n"] == 1
-        assert row["detail"] == runner.Evaluator(loaded, cpu_settings, 1, 0).run(c)["detail"]
+    assert all(row["asked"] == 3 and row["n"] == 1 for row in rows)
+    # a cell computed ahead with the group (another method, loading the first one's prefill)
+    assert rows[2]["detail"] == runner.Evaluator(loaded, cpu_settings, 1, 0).run(cells[2])["detail"]
 
 
 def test_eval_prompt_option_errors():
