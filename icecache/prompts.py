@@ -67,18 +67,18 @@ def wording(task: str, name_or_template: str | None = None) -> str:
     return name
 
 
-def qa_messages(document: str, question: str, wording_: str | None = None) -> Messages:
-    """The question after the document, in the wording ``wording_`` (:func:`wording`)."""
-    text = wording("qa", wording_).replace("{question}", question.strip())
+def qa_messages(document: str, question: str, name: str | None = None) -> Messages:
+    """The question after the document, in the wording ``name`` (:func:`wording`; None: shipped)."""
+    text = wording("qa", name).replace("{question}", question.strip())
     return [{"role": "user", "content": f"Here is a document.\n\n{document.strip()}\n\n{text}"}]
 
 
 ANSWER_CUE = "Answer:"  # where a reply starts, for a base model too (:func:`render`)
 
 
-def cot_messages(problem: str, wording_: str | None = None) -> Messages:
-    """The problem and the request to solve it, in the wording ``wording_`` (:func:`wording`)."""
-    return [{"role": "user", "content": wording("cot", wording_).replace("{problem}", problem.strip())}]
+def cot_messages(problem: str, name: str | None = None) -> Messages:
+    """The problem and the request to solve it, in the wording ``name`` (:func:`wording`; None: shipped)."""
+    return [{"role": "user", "content": wording("cot", name).replace("{problem}", problem.strip())}]
 
 
 def document_prefix(tokenizer: Any, document: str) -> int:

@@ -31,14 +31,14 @@ import numpy as np
 
 from ..prompts import extract_answer
 from ..textgen import generated_text
+from .passkey import FILLER as PASSKEY_FILLER  # the filler and needle sentences of that format
+from .passkey import NEEDLE as PASSKEY_NEEDLE
 
 KINDS = ("passkey_doc", "code_prose", "locker_list", "fact_prose", "report", "log", "table", "memo", "cot")
 
 # The passkey format as the paper and kvpress write it.
 PASSKEY_INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
                  "I will quiz you about the important information there.")
-PASSKEY_FILLER = "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again."
-PASSKEY_NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key."
 
 # The long report's facts: (share of the document before the fact, the sentence, the question,
 # the answer's words).
