@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from .cache import IceCache
 from .config import Settings
 from .fast_step import fast_step_for
 from .memory import return_freed
@@ -81,8 +82,9 @@ def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
     see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
     through the decode step instead, each choosing its own pages (``tail_budget`` tokens of them,
     whatever the decode budget): in 32k passkey cases that the chunked tail missed, the same
-    tokens as decode steps found the key (docs/results.md, sessions 8 and 9). A full prefill
-    attends to everything and needs none. At least one token is left to the chunks.
+    tokens as decode steps found the key (docs/results.md, "Accuracy beyond the trained
+    context"). A full prefill attends to everything and needs none. At least one token is left
+    to the chunks.
     """
     if prefill != "sparse":
         return 0
@@ -177,11 +179,11 @@ class Session:
         # a cache kept dense for a short run serves another run only as that run would make it
         # (within dense_until; distances clamped past the trained context or not)
         outgrown = False
-        if getattr(self.cache, "all_dense", False):
+        if self.ice is not None and self.ice.all_dense:
             dense, clamp = dense_plan(self.method, self.loaded.model, self.settings, len(ids) + self.new_tokens,
                                       len(ids))
             outgrown = not dense or (clamp is not None) != self.cache.clamped
-        if self.cache is not None and keep > 0 and getattr(self.cache, "is_croppable", False) and not outgrown:
+        if self.cache is not None and keep > 0 and self.cache.is_croppable and not outgrown:
             drop = len(self.cached_ids) - keep
             try:
                 if drop:
@@ -204,8 +206,8 @@ class Session:
         return make_cache(self.method, self.loaded.model, self.run_settings, self._run_tokens, prompt_tokens)
 
     def activate(self) -> None:
-        """Make the shared model this session's again (its method's attention and its run's
-        RoPE), after another session stepped in between (benchmarks interleave sessions)."""
+        """Make the shared model ours again (our method's attention and our run's RoPE),
+        after another session stepped in between (benchmarks interleave sessions)."""
         if self.run_settings is not None:
             prepare_model(self.method, self.loaded.model, self.run_settings, self._run_tokens)
 
@@ -215,15 +217,21 @@ class Session:
         return self.run_settings.positions if self.run_settings else "true"
 
     @property
+    def ice(self) -> IceCache | None:
+        """The cache when it is an ice cache (pages, prefill hooks, forks); None for the other
+        methods' caches, which are plain transformers caches to a session."""
+        return self.cache if isinstance(self.cache, IceCache) else None
+
+    @property
     def all_dense(self) -> bool:
         """Whether the current run keeps every layer dense (``dense_until``: a short run)."""
-        return bool(getattr(self.cache, "all_dense", False))
+        return self.ice is not None and self.ice.all_dense
 
     @property
     def clamped(self) -> bool:
         """Whether the current all-dense run attends to keys past the trained context at its
         last distance (``GrowingLayer.clamp``)."""
-        return bool(getattr(self.cache, "clamped", False))
+        return self.ice is not None and self.ice.clamped
 
     @property
     def prefill_mode(self) -> str:
@@ -232,14 +240,14 @@ class Session:
 
     @torch.inference_mode()
     def adopt(self, pre: Prefilled, new_tokens: int | None = None) -> None:
-        """A fresh cache of this session's method holding a copy of ``pre``'s keys and values,
+        """A fresh cache of ``self.method`` holding a copy of ``pre``'s keys and values,
         planned for ``new_tokens`` tokens of generation after it (default: ``self.new_tokens``)."""
         if new_tokens is not None:
             self.new_tokens = new_tokens
         self.cache = self._new_cache(len(pre.ids))
         T = len(pre.ids)
         for i, (k, v) in enumerate(pre.kv):
-            if hasattr(self.cache, "observe"):  # the prompt's queries, for a selector that votes
+            if self.ice is not None:  # the prompt's queries, for a selector that votes
                 grid = pre.grids.get(i)
                 if grid is not None and len(grid):
                     q, pos, _ = grid.arrays(T)
@@ -284,11 +292,11 @@ class Session:
     @torch.inference_mode()
     def fork(self, settings: Settings) -> Session:
         """A session decoding this prefilled (not yet decoding) session's prompt under
-        ``settings``, which may differ from this session's in the budget only: a copy of the
+        ``settings``, which may differ from ``self.settings`` in the budget only: a copy of the
         cache (:meth:`IceCache.forked`). ``ValueError`` where the budget shaped the prefill."""
         if settings.replace(budget=self.settings.budget) != self.settings:
             raise ValueError("a fork may change the budget only")
-        if self.run_settings is None or not hasattr(self.cache, "forked"):
+        if self.run_settings is None or self.ice is None:
             raise ValueError(f"method {self.method} has no prefilled cache to fork")
         twin = Session(self.loaded, settings, self.method)
         twin.cache = self.cache.forked(settings.budget_pages)
@@ -334,8 +342,8 @@ class Session:
             start = stats.prefix_cached_tokens = len(self.cached_ids)
             if start == save_at:
                 save_at = 0  # (already saved)
-        elif hasattr(self.cache, "begin_prefill"):
-            self.cache.begin_prefill(cut - start, tail=len(ids) - cut)
+        elif self.ice is not None:
+            self.ice.begin_prefill(cut - start, tail=len(ids) - cut)
         stats.tokens_prefilled = len(ids) - start
         logits = None
         first = start
@@ -349,8 +357,8 @@ class Session:
                 report("prefill", hi - first, len(ids) - first)
                 if save_at and hi == save_at:
                     self._save_prefix(ids[:save_at], dc)
-        if hasattr(self.cache, "end_prefill"):
-            self.cache.end_prefill()  # offload and index done: part of the prefill's time
+        if self.ice is not None:
+            self.ice.end_prefill()  # offload and index done: part of the prefill's time
         if len(ids) - start > run.chunk_size:
             return_freed()  # the chunks' transient buffers leave the RSS
         stats.prefill_seconds = time.perf_counter() - t0
@@ -393,7 +401,9 @@ class Session:
         settings = {k: v for k, v in dataclasses.asdict(run.replace(budget=budget)).items()
                     if SHAPING_IF_SET.get(k, object()) != v  # later settings at their defaults: left out
                     and k not in STATE_NEUTRAL}
-        kind = {"state": 1, "method": self.method, "settings": settings}
+        # "state" counts the layouts of a saved layer: a layout change makes older entries unseen
+        # (2: an ice layer's answer passages in one object)
+        kind = {"state": 2, "method": self.method, "settings": settings}
         return prefix, self.doc_cache.with_kind(kind)
 
     def _save_prefix(self, ids: list[int], dc) -> None:
@@ -425,8 +435,8 @@ class Session:
             if kv is None:
                 return False
             self.cache = self._new_cache(len(ids))
-            if hasattr(self.cache, "begin_prefill"):
-                self.cache.begin_prefill(cut, tail=len(ids) - cut)
+            if self.ice is not None:
+                self.ice.begin_prefill(cut, tail=len(ids) - cut)
             for i, (k, v) in enumerate(kv):
                 self.cache.update(k, v, i)
         else:

@@ -300,7 +300,7 @@ def dense_plan(method: str, model: Any, settings: Settings, tokens: int,
 
     Every layer is dense when the method allows it (``short_dense``: ice, ice-reuse), ``tokens``
     is at most ``dense_until``, and the prefill is not sparse. On the CPU, attending to every
-    token of a few thousand is faster than choosing pages (docs/results.md, sessions 44-45).
+    token of a few thousand is faster than choosing pages (docs/results.md, "Decode speed").
     With true positions that is exact. With remapped positions (the run goes past the trained
     context) only when the prompt (``prompt_tokens``; unknown: no) fits the trained context: the
     prompt is then computed at its true positions, and decode steps clamp the distances past the

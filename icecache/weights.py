@@ -21,7 +21,7 @@ step find those values again exactly, so the int4 layers hold the file's own wei
 from the float path is the bfloat16 rounding of the products. The LM head comes from the file's
 Q8_0 token embedding, which four bits cannot hold, and its logits choose every token: with a
 plain int8 head the agreement with the float model fell from 0.995 to 0.985 (docs/results.md,
-session 27), so the int8 logits only narrow the choice and the float weights decide it.
+"Weights"), so the int8 logits only narrow the choice and the float weights decide it.
 
 :func:`dequantized` and :func:`dequantized_groups` are the plain references the tests compare
 :class:`Int8Linear` and :class:`Int4Linear` with.
@@ -40,7 +40,7 @@ from .config import WEIGHT_FORMATS
 # The products run in bfloat16 (float32 accumulation inside the kernels): torch's int8 kernel is
 # fast with bfloat16 activations only (with float32 ones it was 5x slower than float32 weights on
 # this CPU), and a bfloat16 product of many rows uses the CPU's bfloat16 instructions (2.5x
-# float32's speed here: docs/results.md, session 11). The layer's input and output keep the
+# float32's speed here: docs/results.md, "Weights"). The layer's input and output keep the
 # model's dtype.
 COMPUTE = torch.bfloat16
 
@@ -115,7 +115,7 @@ def prompt_products(half: torch.dtype | None = None):
     ``half`` (bfloat16; ``prompt_compute``): the prompt's products of those layers, and its
     chunks' attention (:func:`~icecache.cache.chunked.prefix_causal`), run in that dtype with float32
     sums, where the CPU multiplies it natively (4x float32's speed on this machine class's
-    AVX512-BF16 CPUs, docs/results.md, session 45)."""
+    AVX512-BF16 CPUs, docs/results.md, "Prefill")."""
     before = getattr(_prompt, "on", False), getattr(_prompt, "half", None)
     _prompt.on, _prompt.half = True, half
     try:
@@ -187,7 +187,7 @@ class Int4Linear(nn.Module):
         # the same values in the model's dtype, for the many-row product (a prefill chunk): on a
         # CPU without bfloat16 instructions a bfloat16 product is 4x slower than a float32 one,
         # and the 4-bit values widened for each chunk made a short prompt's prefill 2.7x slower
-        # than the float model's (docs/results.md, session 27). Kept, they make a chunk's product
+        # than the float model's (docs/results.md, "Weights"). Kept, they make a chunk's product
         # the float model's own (the values are the same), at the float model's memory. Where
         # they equal the layer's weights (``exact``: a Q4_1 GGUF's layers), that tensor is kept
         # instead of a copy.

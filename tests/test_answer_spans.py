@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from icecache.cache import IceSpec, spans
+from icecache.cache.placement import placing_order
 from icecache.cache.spans import SpanVotes, head_weights, pinned_rows
 from icecache.config import ProfileError, resolve_settings
 from tests.test_ice_cache import full_cache, ice_cache, run_steps, spec, tiny_model
@@ -136,7 +137,7 @@ def test_spans_with_room_for_everything_equal_full():
     got = run_steps(model, cache, prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
-    assert all(layer.pinned is not None and len(layer.pinned.tokens()) == 24 for layer in cache.ice_layers())
+    assert all(layer.passages.pinned is not None and len(layer.passages.pinned.tokens()) == 24 for layer in cache.ice_layers())
 
 
 def test_a_small_budget_keeps_the_voted_passages_resident():
@@ -151,12 +152,12 @@ def test_a_small_budget_keeps_the_voted_passages_resident():
     got = run_steps(model, cache, prompt, forced)
     torch.testing.assert_close(got[1], plain[1])  # the first generated token's step votes
     assert max(float((a - b).abs().max()) for a, b in zip(plain[2:], got[2:], strict=True)) > 1e-4
-    votes = cache.ice_layers()[0].votes
+    votes = cache.ice_layers()[0].passages.votes
     want = pinned_rows(votes.votes[: 200 - 16], 2, 4, 8)  # the host rows at the vote
     assert len(want) == 24
     for layer in cache.ice_layers():
-        assert layer.pinned.tokens().tolist() == sorted(want.tolist()) or \
-            sorted(layer.pinned.tokens().tolist()) == want.tolist()
+        assert layer.passages.pinned.tokens().tolist() == sorted(want.tolist()) or \
+            sorted(layer.passages.pinned.tokens().tolist()) == want.tolist()
         r = layer.resident
         pool = slice(r.pool_at, r.window_at)
         for h in range(layer.heads):
@@ -185,9 +186,9 @@ def test_remapped_passages_sit_nearest_the_window_in_their_own_order():
     for layer in cache.ice_layers():
         r = layer.resident
         valid = r.valid[:, r.pool_at : r.window_at]
-        keys = layer._placing_order(valid)
+        keys = placing_order(r, layer.remap, layer.passages, valid)
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
-        rows = np.sort(layer.pinned.tokens())
+        rows = np.sort(layer.passages.pinned.tokens())
         lead = int(np.sum(rows == np.arange(len(rows))))
         for h in range(layer.heads):
             main = keys[h, :cut][valid[h, :cut]]
@@ -210,17 +211,17 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
     token at a time (at most VOTE_STEPS of them), and the prompt's last step pins them. Without
     earlier stepped tokens (a prompt whose end came in a chunk, or one stepped token), the first
     step there is votes and the next pins. Prompt chunks and later tokens never vote."""
-    from icecache.cache import ice_layer
     from icecache.cache.spec import VOTE_STEPS
 
     calls: list[tuple[int, np.ndarray]] = []
+    weights = spans.head_weights
 
     def recorded(queries, keys, n, scale):
-        got = spans.head_weights(queries, keys, n, scale)
+        got = weights(queries, keys, n, scale)
         calls.append((step[0], got))
         return got
 
-    monkeypatch.setattr(ice_layer, "head_weights", recorded)
+    monkeypatch.setattr(spans, "head_weights", recorded)
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(7)
     prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 6).tolist()
@@ -239,7 +240,7 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
             step[0] = i + 1
             model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
             for j, layer in enumerate(layers):
-                if layer.pinned is not None:
+                if layer.passages.pinned is not None:
                     pinned_at.setdefault(j, i + 1)
     voting = sorted({s for s, _ in calls})
     if tail >= 2:  # votes up to the one before the prompt's last, which pins
@@ -253,7 +254,7 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
     best = np.zeros(n)
     for _s, w in calls:
         best[: len(w)] = np.maximum(best[: len(w)], w)
-    np.testing.assert_allclose(layers[0].votes.votes[:n], best)
+    np.testing.assert_allclose(layers[0].passages.votes.votes[:n], best)
 
 
 @pytest.mark.parametrize("seed", range(4))

@@ -23,7 +23,7 @@ GPU_CASES = {
     "ice-reuse-remap": ("ice-reuse", {"positions": "remap", "reuse_every": 2}),
     # the baselines of issue 20 (written after the last GPU lease)
     **{m: (m, {}) for m in ("h2o", "arkvale", "omnikv", "pqcache", "magicpig")},
-    # answer_spans (session 29): pinned passages in their own pool slots
+    # answer_spans: pinned passages in their own pool slots
     "ice-spans": ("ice", {"answer_spans": 2}),
     "ice-spans-remap": ("ice", {"answer_spans": 2, "positions": "remap", "window_pages": 3}),
     "ice-rest": ("ice", {"rest_estimate": True}),
@@ -67,7 +67,7 @@ def pinned_rows(cache) -> list:
     """Per ice layer, the rows answer_spans pinned ([] before they are chosen or without it)."""
     if not hasattr(cache, "ice_layers"):
         return []
-    return [[] if layer.pinned is None else sorted(int(r) for r in layer.pinned.tokens())
+    return [[] if layer.passages is None or layer.passages.pinned is None else sorted(int(r) for r in layer.passages.pinned.tokens())
             for layer in cache.ice_layers()]
 
 

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from icecache.cache.paged import paged_decode_reference
+from icecache.cache.placement import behind_pinned, placed, placing_order
 from icecache.cache.positions import Remap, RopeFrame, choose, remap_decode
 
 ROPES = {
@@ -227,7 +228,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages, sp
         out[method] = logits
         if method == "ice":
             assert cache.remap is not None and cache.ice_layers()[0].store.rows > 200
-            assert all((layer.pinned is not None) == (spans > 0) for layer in cache.ice_layers())
+            assert all((layer.passages is not None and layer.passages.pinned is not None) == (spans > 0) for layer in cache.ice_layers())
     for a, b in zip(out["full"], out["ice"], strict=True):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
 
@@ -635,7 +636,7 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
 
     def check(stay_below: int):
         # gaps 1 and 1 + G: the same order and layout, G apart
-        a, b = with_gap(1, lambda: layer._placed(k, pages_at)), with_gap(1 + G, lambda: layer._placed(k, pages_at))
+        a, b = with_gap(1, lambda: placed(k, r, layer.remap, layer.passages, layer.length, pages_at)), with_gap(1 + G, lambda: placed(k, r, layer.remap, layer.passages, layer.length, pages_at))
         far = pool_valid.copy()
         far[:, cut:] &= r.pool_row[:, cut:] < stay_below
         assert far.any() and (pool_valid & ~far).any()
@@ -646,14 +647,15 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
             torch.testing.assert_close(b[h, moved], frame.rotate(a[h, moved], G, 0), atol=2e-5, rtol=1e-5)
         torch.testing.assert_close(b[:, r.window_at :], a[:, r.window_at :], atol=0, rtol=0)
 
-    ids, table, rows = layer._pinned_load
-    votes = layer.votes
-    assert layer.pinned is not None and layer._pinned_lead == 0 and rows[0] >= SPAN_PAGES * r.page_size
+    passages = layer.passages
+    ids, table, rows = passages.load
+    votes = passages.votes
+    assert passages.pinned is not None and passages.lead == 0 and rows[0] >= SPAN_PAGES * r.page_size
     assert len(votes.anchors) == 2 and votes.best == votes.anchors[0]
     check(0)
 
     # the passages by votes: the best one's rows nearest the window, each passage in token order
-    order = with_gap(G, lambda: layer._placing_order(pool_valid))
+    order = with_gap(G, lambda: placing_order(r, layer.remap, passages, pool_valid))
     pin_rows, pin_keys = r.pool_row[:, cut:], order[:, cut:]
     rank = votes.passage_rank(pin_rows)
     for h in range(k.shape[0]):
@@ -668,24 +670,24 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
 
     # a passage pinned at the sink (rows 2 .. 5 here): it and the rows before its end go back too
     near_sink = np.arange(2, 6)
-    layer._pinned_load = (ids, table, np.concatenate([near_sink, rows]))
-    assert with_gap(G, layer._with_sink) == 6
+    passages.load = (ids, table, np.concatenate([near_sink, rows]))
+    assert with_gap(G, lambda: passages.with_sink(layer.remap.pin_gap)) == 6
     check(6)
     # ... unless the best passage is that one: then it and the sink stay near, and nothing moves
     top = pages_at - r.sink_fill
     room = frame.trained - (layer.length - pages_at) - r.sink_fill
-    offset, count = ordered_offsets(with_gap(G, lambda: layer._placing_order(pool_valid)), pool_valid,
+    offset, count = ordered_offsets(with_gap(G, lambda: placing_order(r, layer.remap, passages, pool_valid)), pool_valid,
                                     base.gap_for(r.window_at - r.pool_at), top, -1)
     anchors = list(votes.anchors)
     votes.anchors = [3] + anchors
     try:
-        same = with_gap(G, lambda: layer._behind_pinned(offset, count, pool_valid, room))
+        same = with_gap(G, lambda: behind_pinned(offset, count, pool_valid, room, r, layer.remap, passages))
     finally:
         votes.anchors = anchors
     assert same[0] is offset and same[1] is count
-    layer._pinned_load = (ids, table, rows)
+    passages.load = (ids, table, rows)
     # cut to the room: nothing placed beyond the trained context
-    offset, count = ordered_offsets(with_gap(10**6, lambda: layer._placing_order(pool_valid)), pool_valid,
+    offset, count = ordered_offsets(with_gap(10**6, lambda: placing_order(r, layer.remap, passages, pool_valid)), pool_valid,
                                     base.gap_for(r.window_at - r.pool_at), top, -1)
-    moved, spanned = with_gap(10**6, lambda: layer._behind_pinned(offset, count, pool_valid, room))
+    moved, spanned = with_gap(10**6, lambda: behind_pinned(offset, count, pool_valid, room, r, layer.remap, passages))
     assert int(moved[torch.from_numpy(pool_valid)].max()) < room and int(spanned.max()) <= room

@@ -261,7 +261,7 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
     # prefill_queries 4: the prompt's last 8 tokens run as held tail steps (16 in the profile; the
     # fork's handling of them does not depend on how many)
     # spans 0: window 2 and no pinned passages, where budgets 16 and 128 part on this prompt (32
-    # and 128 did with projection pages, not with the cpu profile's similar pages, session 40);
+    # and 128 did with projection pages, not with the cpu profile's similar pages);
     # spans 3: the cpu profile's window and passages (there the two budgets give the same tokens)
     base = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256, dense_window=512,
                                 positions=positions, token_pick=pick, prefill_queries=4,

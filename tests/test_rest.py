@@ -68,7 +68,7 @@ def test_rest_rows_equal_a_numpy_reference_after_evictions(pick, spans):
     pages_checked = 0
     for layer in cache.ice_layers():
         groups = layer.rest_rows()
-        assert (layer.pinned is not None) == bool(spans)
+        assert (layer.passages is not None and layer.passages.pinned is not None) == bool(spans)
         if spans:
             assert layer.rest._pinned is not None  # rest_pinned ran, not the general path
             general = layer.rest_rows(general=True)

@@ -4,7 +4,7 @@ In a chunked prefill, a chunk of C queries attends to every one of the T - C row
 causally to its own C rows. transformers hands SDPA that pattern as a (C, T) boolean mask, and
 torch's CPU kernel then reads the mask at every block instead of skipping the blocks it hides (and
 converts it for every layer). At 8k tokens the attention of the last chunk took 70% of that
-chunk's prefill time (docs/results.md, session 36).
+chunk's prefill time (docs/results.md, "Prefill").
 
 :func:`prefix_causal` computes the same attention with two calls of torch's CPU flash kernel and
 no mask: the chunk over the prefix (every row visible; the query heads of one KV head stacked along
@@ -47,7 +47,7 @@ def prefix_causal_half(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
     """:func:`prefix_causal_reference` by 16-bit matrix products (``half``, e.g. bfloat16, with
     float32 sums), softmax in float32: for each KV head, ``block`` queries of each head of its group
     at a time over the rows they see. torch's CPU flash kernel runs no faster in bfloat16, but its
-    plain bfloat16 products ran 3-4x float32's on AVX512-BF16 (docs/results.md, session 45): a chunk
+    plain bfloat16 products ran 3-4x float32's on AVX512-BF16 (docs/results.md, "Prefill"): a chunk
     of 2048 over 8192 rows took 147 against 216 ms."""
     _, Hq, C, d = query.shape
     H, T = key.shape[1], key.shape[2]

@@ -72,7 +72,7 @@ class GrowingLayer(DynamicLayer):
         c = n - frame.trained
         H, d = self._k.shape[1], self._k.shape[3]
         # the next keys to clamp, a block ahead: one key per step cost 3 ms per token at 8k
-        # (30 layers; docs/results.md, session 46)
+        # (30 layers)
         if self._c0 < c:
             upto = min(n, c + self.clamp_ahead)
             if self._k0 is None or self._k0.shape[1] < upto:
@@ -170,7 +170,7 @@ def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; read from Linux's
     /proc/cpuinfo, False elsewhere). There a decode step of the embedded model over 8k dense
     tokens took 21.1-21.4 against 25.6-26.3 ms with bfloat16 keys and values, and bfloat16 products ran
-    3-4x float32's (docs/results.md, session 45)."""
+    3-4x float32's (docs/results.md, "Decode speed")."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:

@@ -229,8 +229,7 @@ def half_scores(q, bits, n, brain, out):
     out (H, G, n). One parallel region; rows converted a tile at a time as they are read. The
     reference, ``q`` times the keys converted to float32 a block at a time
     (``spans.vote_scores_reference``), took 9.8-13.4 ms per vote over a 100k float16 store and
-    3 x 3 heads, this 3.2-6.0 ms (softmax included; two threads, ``scripts/vote_speed.py``,
-    session 40)."""
+    3 x 3 heads, this 3.2-6.0 ms (softmax included; two threads)."""
     H, G, d = q.shape
     T = HALF_TILE
     nb = (n + HALF_BLOCK - 1) // HALF_BLOCK

@@ -16,7 +16,7 @@ token is counted twice.
 
 Only with true positions: with remapped positions every page would sit at one distance just
 beyond the window, and the estimate of a 100k-token document's pages (thousands of rows there)
-buried the answer's passage (docs/results.md, session 33).
+buried the answer's passage (docs/results.md, "Accuracy beyond the trained context").
 """
 
 from __future__ import annotations
@@ -186,3 +186,41 @@ def mean_rows(sums: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     means = sums[..., : 2 * d] / count.clamp(min=1)[..., None]
     logc = torch.where(count > 0.5, count.clamp(min=1).log(), torch.full_like(count, float("-inf")))
     return means, logc
+
+
+def step_rest(rest: RestPages, selector, resident, store: HostStore, pinned_rows: np.ndarray | None,
+              general: bool = False):
+    """This decode step's estimate rows (groups for :func:`~.paged.paged_decode_rest`) for a
+    layer whose pool is ``resident``, offloaded rows ``store`` and tree ``selector``
+    (``has_tree``), pinned answer passages at host rows ``pinned_rows`` (None: none). The tree
+    changes only when keys go into it, so ``rest`` is refreshed only when the store grew.
+    ``general``: with pinned passages, :meth:`RestPages.rest` from the pool's rows instead of
+    :meth:`RestPages.rest_pinned` (the reference it is tested against)."""
+    heads = resident.keys.shape[0]
+    if rest.rows != store.rows:
+        rest.npages = 0
+        for h in range(heads):
+            members, count, version, n, _row_page = selector.tree_pages(h)
+            rest.refresh(h, members, count, version, n, store)
+            rest.npages = max(rest.npages, n)
+        rest.rows = store.rows
+    npages, r = rest.npages, resident
+    in_pool = r.valid[:, r.pool_at : r.window_at]
+    if not selector.picking and not general:
+        # the main slots hold whole tree pages at their current version (load planned so); a
+        # slot is in use while any of its rows is (a row a pinned passage holds too is left out
+        # of it); pinned passages, if any, in their own slots
+        main, S = r.pool_pages - r.pinned_slots, r.page_size
+        used = in_pool[:, : main * S].reshape(heads, main, S).any(-1)
+        loaded = np.where(used, r.slot_page[:, :main], -1)
+        if pinned_rows is None:
+            return rest.rest_whole(npages, loaded)
+        return rest.rest_pinned(npages, loaded, pinned_rows, lambda h: selector.tree_pages(h)[4], store)
+    pool_pages = np.full(in_pool.shape, -1, np.int64)
+    for h in range(heads):
+        row_page = selector.tree_pages(h)[4]
+        rows = r.pool_row[h]
+        ok = in_pool[h] & (rows >= 0)
+        pool_pages[h, ok] = row_page[rows[ok]]
+    pool = slice(r.pool_at, r.window_at)
+    return rest.rest(npages, pool_pages, r.keys[:, pool], r.values[:, pool])

@@ -4,7 +4,7 @@ A fact copied from a long document (a number, a name) must be read in token orde
 one after the other, at distances one apart. The pages of a DCI-tree group keys by similarity, so
 a 7-digit number's digits sit in pages beside the document's other digits, and a decode step's
 selection brings back some of them: the answer starts with the number's first digits and stops
-(docs/results.md, session 28).
+(docs/results.md, "Accuracy beyond the trained context").
 
 :class:`SpanVotes` finds the places the question points to and keeps them whole. The prompt's
 last steps that run one token at a time (a sparse prefill's tail, a question after a saved
@@ -14,7 +14,7 @@ heads, layers and steps. The prompt's last step then pins the passages, so the f
 token reads them. (A prompt whose end came in a chunk has no such steps: the first generated
 token votes, and the steps after it read the passages.) The first version summed the weights
 over the heads at the prompt's last step and the first generated token's: that favoured the
-early sentence ends that many heads attend a little. In a 16k report (session 30) its best
+early sentence ends that many heads attend a little. In a 16k report its best
 passages held the three facts only 4th, 7th and past the 16th, where the largest weight over
 the question's steps put each fact first: the few heads that look a fact up weigh it highly.
 After that, the ``answer_spans`` tokens with the most votes, each at least a passage away from
@@ -24,7 +24,7 @@ beside the budget's own pages. With remapped positions (``ordered``) the passage
 after the selected rows, nearest the window, each in its own token order, so a passage reads as
 the text just before the question; a passage that continues the sink stays right after it. In
 token order among the selected rows, a mid-document passage found 1 of 4 prose needles at 32k
-where placed nearest the window it found 2 (docs/results.md, session 29).
+where placed nearest the window it found 2 (docs/results.md, "Accuracy beyond the trained context").
 """
 
 from __future__ import annotations
@@ -33,7 +33,8 @@ import numpy as np
 import torch
 
 from .kernels import half_scores
-from .spec import SPAN_PAGES
+from .selectors.tokens import TokenPages
+from .spec import SPAN_PAGES, VOTE_STEPS
 
 VOTE_BLOCK = 2048  # keys per block of the reference's scores
 HALVES = (torch.float16, torch.bfloat16)
@@ -172,3 +173,59 @@ def vote_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
     for a in range(0, n, VOTE_BLOCK):
         torch.matmul(q, keys[:, a : a + VOTE_BLOCK].float().transpose(1, 2), out=s[:, :, a : a + VOTE_BLOCK])
     return s
+
+
+class AnswerPassages:
+    """One sparse layer's side of ``answer_spans``: the votes (shared by the sequence's sparse
+    layers), the passages pinned for the answer once chosen (``pinned``), and what every step's
+    load and placement read of them, fixed once chosen (``load``: page ids, page table, the host
+    rows sorted; ``lead``: how many of those rows continue the sink)."""
+
+    def __init__(self, votes: SpanVotes, page_size: int, span_pages: int):
+        self.votes = votes
+        self.page_size, self.span_pages = page_size, span_pages
+        self.pinned = None  # a TokenPages of the pinned passages, once chosen
+        self.load: tuple | None = None
+        self.lead = 0
+
+    def clear(self) -> None:
+        """Nothing pinned (a fork to another budget chooses again)."""
+        self.pinned = self.load = None
+
+    def step(self, length: int, answer_at: int, store, chooser: torch.Tensor, scale: float,
+             merge: bool) -> None:
+        """A step of a layer holding ``length`` tokens whose prompt ends at ``answer_at`` (0: not
+        known yet). The prompt's last steps that run one token at a time (at most
+        ``VOTE_STEPS``: a sparse prefill's tail, a question after a saved document) vote with
+        this step's queries as the index sees them (``chooser``: H, G, d) over the offloaded
+        keys in ``store``. The prompt's last step pins the passages those steps voted for, so the
+        first answer token already reads them. A prompt whose end came in a chunk has no votes
+        then: the first generated token's step votes, and the next step pins. ``merge``: passages
+        may join (:func:`pinned_anchors`; with ``remap_pin_gap`` the budget's pages sit far
+        back and the passages carry the answer alone, so a well-voted row next to a passage joins
+        it: a needle's first mention cut off otherwise)."""
+        if not answer_at or length <= answer_at - VOTE_STEPS or store is None or self.pinned is not None:
+            return
+        if length >= answer_at and self.votes.step and self.votes.step < length:
+            self.pinned = TokenPages(self.page_size, self.span_pages)
+            ids = self.pinned.choose(self.votes.rows(store.rows, merge))
+            rows = np.sort(self.pinned.tokens())
+            self.load = (ids.astype(np.int64), self.pinned.table(), rows)
+            self.lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
+        elif length <= answer_at + 1:
+            self.votes.add(head_weights(chooser.cpu(), store.keys, store.rows, scale), length)
+
+    def with_sink(self, pin_gap: int) -> int:
+        """Pinned host rows below this stay in token order right after the sink instead of
+        nearest the window: a passage that continues the sink; with ``pin_gap``, a passage that
+        starts within a passage's length of it too (its whole run of rows). Text that runs
+        across the sink's end (a needle at the document's start) then stays together: cut
+        apart by the gap, a 16k passkey at depth 0 was lost."""
+        if not pin_gap or self.load is None:
+            return self.lead
+        rows = self.load[2]
+        if not len(rows) or rows[0] >= SPAN_PAGES * self.page_size:
+            return self.lead
+        breaks = np.flatnonzero(np.diff(rows) != 1)
+        end = int(rows[breaks[0]]) + 1 if len(breaks) else int(rows[-1]) + 1  # the first run's end
+        return max(self.lead, end)

@@ -1,5 +1,5 @@
-"""The selector registry and :class:`HeadIndexes`, the base of the selectors that keep an index
-per KV head."""
+"""The selector contract (:class:`PageSelector`), the registry, and :class:`HeadIndexes`, the base
+of the selectors that keep an index per KV head."""
 
 from __future__ import annotations
 
@@ -22,20 +22,76 @@ def register(name: str):
     return add
 
 
-class HeadIndexes:
+class PageSelector:
+    """One ice layer's page choice: every member an ice layer reads, with the default a selector
+    that does not need it inherits (so the layer asks the selector, never probes it). Point ids
+    are host-store rows (the offloaded tokens in order)."""
+
+    name = ""
+    indexed = True  # False: selects nothing, keeps no index (the pool has no slots)
+    waits_for_queries = False  # needs the prompt's last queries before the prompt is offloaded
+    budget_in_index = False  # its index holds a choice made for one budget (no IceCache.forked)
+    estimates = False  # the attention weighs the chosen rows by :meth:`row_bias` (MagicPIG)
+    picking = False  # its pages hold chosen tokens, not whole index pages (dci's token_pick)
+    has_tree = False  # :meth:`tree_pages` answers now (dci with its trees built: rest_estimate)
+
+    def __init__(self, spec: IceSpec):
+        self.spec = spec
+
+    def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
+        """The prompt's queries at a prefill chunk (query heads, chunk, head_dim), at prompt
+        ``positions`` (None: the chunk after the last one observed)."""
+
+    def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
+              middle: torch.Tensor | None = None) -> None:
+        """Index the offloaded prompt tokens ``lo .. hi-1`` of ``prompt_keys`` (heads, T, d)
+        as points ``0 .. hi-lo-1``, one index per KV head; ``capacity``: the points expected
+        in all; ``middle``: those tokens' keys as the host store holds them (un-rotated when
+        positions are remapped), if not ``prompt_keys[:, lo:hi]``."""
+        raise NotImplementedError
+
+    def insert(self, keys: torch.Tensor) -> None:
+        """Index newly offloaded keys (heads, m, d) on the host, as the next point ids."""
+        raise NotImplementedError
+
+    def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """queries (heads, group, d) float32 -> per KV head at most ``max_pages`` page ids.
+        ``wide``: an approximate search covers at least this share of the indexed keys (1: an
+        exact search); exact selectors ignore it."""
+        raise NotImplementedError
+
+    def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
+        """The choice for a sparse prefill (a chunk's few choosing positions, or one of the
+        prompt's last steps): :meth:`select` unless a selector chooses differently there."""
+        return self.select(queries, max_pages, wide)
+
+    def page_table(self, head: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Head ``head``'s pages: members (pages, page_size) point ids, count (pages,), and
+        version (pages,): a page whose members changed has a higher version."""
+        raise NotImplementedError
+
+    def tree_pages(self, head: int) -> tuple:
+        """Where :attr:`has_tree`: head ``head``'s index pages whatever the pool loads (members,
+        count, versions, pages in use, the index page of each host row)."""
+        raise NotImplementedError
+
+    def row_bias(self, pool_rows: np.ndarray) -> np.ndarray:
+        """Where :attr:`estimates`: the log-weight of each pool row (heads, rows) this step."""
+        raise NotImplementedError
+
+    def release(self) -> None:
+        """Drop the index (the host store stays)."""
+
+
+class HeadIndexes(PageSelector):
     """One index per KV head (``new_index``), with the page versions the pool compares against.
 
     An index offers ``insert(keys) -> dirty pages``, ``members``/``count``/``npages`` and
     ``select_group(queries, k, max_pages) -> pages``.
     """
 
-    name = ""
-    indexed = True
-    waits_for_queries = False
-    budget_in_index = False  # True: the index was built for one budget (no fork to another)
-
     def __init__(self, spec: IceSpec):
-        self.spec = spec
+        super().__init__(spec)
         self.head_dim = 0
         self.indexes: list = []
         self.versions: list[np.ndarray] = []
@@ -43,9 +99,6 @@ class HeadIndexes:
     def new_index(self, head: int, capacity: int):
         """An empty index for KV head ``head`` (``self.head_dim`` is known by then)."""
         raise NotImplementedError
-
-    def observe(self, queries: torch.Tensor, positions=None) -> None:
-        pass
 
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
               middle: torch.Tensor | None = None) -> None:

@@ -83,8 +83,8 @@ class DCISelector(HeadIndexes):
         whole pages even with ``token_pick`` (then packed into the pick tables, so that one page
         table serves every step). Tokens picked for a chunk's few choosing positions lost 16k
         passkeys that whole pages kept; picked at the prompt's last steps, they lost 32k and 64k
-        passkeys that pages there (and picks after them) found (docs/results.md, sessions 18
-        and 19). ``prefill_beam`` (nodes per level, when set) widens the search to at least
+        passkeys that pages there (and picks after them) found (docs/results.md, "Accuracy
+        beyond the trained context"). ``prefill_beam`` (nodes per level, when set) widens the search to at least
         that beam."""
         self.held = None
         n = max((tree.n for tree in self.indexes), default=0)
@@ -131,6 +131,10 @@ class DCISelector(HeadIndexes):
             table.clear()
             chosen = table.choose(rows)
         return chosen
+
+    @property
+    def has_tree(self) -> bool:
+        return bool(self.indexes)
 
     def tree_pages(self, head: int):
         """Head ``head``'s tree pages, whatever the pool loads (``rest_estimate``): (members,

@@ -3,22 +3,13 @@
 from __future__ import annotations
 
 import numpy as np
-import torch
 
-from .base import register
+from .base import PageSelector, register
 
 
 @register("streaming")
-class StreamingSelector:
+class StreamingSelector(PageSelector):
     indexed = False
-    waits_for_queries = False
-    budget_in_index = False
-
-    def __init__(self, spec):
-        self.spec = spec
-
-    def observe(self, queries: torch.Tensor, positions=None) -> None:
-        pass
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
         pass
@@ -31,6 +22,3 @@ class StreamingSelector:
 
     def page_table(self, head: int):
         raise LookupError("the streaming selector has no pages")
-
-    def release(self) -> None:
-        pass

@@ -6,31 +6,23 @@ import numpy as np
 import torch
 
 from ..spec import IceSpec
+from .base import PageSelector
 from .tokens import KeyRows, TokenPages, as_numpy
 
 
-class TokenSelector:
+class TokenSelector(PageSelector):
     """A page selector that chooses tokens: per KV head a float32 copy of the offloaded keys
     (``keys[h]``, host rows in order) and a :class:`TokenPages` packing the chosen tokens into the
     pool's pages. Subclasses write :meth:`choose` (and, if they keep state per token, the
     ``prepared`` / ``added`` hooks)."""
 
-    name = ""
-    indexed = True
-    waits_for_queries = False
-    budget_in_index = False
-    estimates = False  # True: the attention weighs the chosen rows (row_bias); magicpig
-
     def __init__(self, spec: IceSpec):
-        self.spec = spec
+        super().__init__(spec)
         self.scale = 1.0
         self.keys: list[KeyRows] = []
         self.pages: list[TokenPages] = []
 
-    # -- the protocol -------------------------------------------------------------------------
-    def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
-        pass
-
+    # -- the contract -------------------------------------------------------------------------
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
               middle: torch.Tensor | None = None) -> None:
         mid = as_numpy(prompt_keys[:, lo:hi] if middle is None else middle)

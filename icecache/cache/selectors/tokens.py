@@ -150,8 +150,8 @@ class QueryGrid:
         # The stride this add ends with, found first: the positions it keeps are those of the
         # held and the new ones on its grid (a coarser grid keeps a subset of a finer one), so
         # only they are copied. Copying every position the old stride kept (most of them
-        # dropped right after), one by one, cost 9% of an 8k prefill's speed; now about 3%
-        # (session 44).
+        # dropped right after), one by one, cost 9% of an 8k prefill's speed; this way about
+        # 3%.
         held = np.fromiter(self.queries, np.int64, len(self.queries))
         every = np.unique(np.concatenate([held, positions]))
         stride = self.stride

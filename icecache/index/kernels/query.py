@@ -88,7 +88,7 @@ def topk_indices(scores, k):
     The score range is cut into :data:`TOPK_BINS` equal buckets; the highest buckets that hold
     at least ``k`` scores are kept, in index order, and only those are sorted (stable, so ties
     keep index order). Three passes over the scores and a sort of about ``k`` of them: 3-4x
-    faster at 10k scores than ``np.partition`` (session 42), whose quickselect is slow on the
+    faster at 10k scores than ``np.partition``, whose quickselect is slow on the
     walk's scores (similar keys' scores lie next to each other). A range that is not finite, or
     scores that all fall in the lowest bucket, sort everything."""
     n = scores.shape[0]

@@ -218,7 +218,7 @@ def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
     best counts 0 (its weight is under 1e-13 of the best's). The scores are taken a query at a
     time into a contiguous row, so that the exponentials (:func:`exp_near`) run vectorized:
     22.8 against 54.7 us per group of 3 queries over 2322 scanned rows, where the rank merge
-    takes 14.1 (``scripts/merge_speed.py``, session 40). ``scratch_scores`` is read only.
+    takes 14.1. ``scratch_scores`` is read only.
     """
     n = pages.shape[0]
     kept = starts[n]
