@@ -28,8 +28,8 @@ DTYPES = ("float32", "bfloat16", "float16")
 PREFILL_MODES = ("full", "sparse", "auto")
 HOST_DTYPES = ("auto",) + DTYPES
 HALF_CHOICES = ("model", "bfloat16", "auto")  # dense_kv, prompt_compute
+CHAT_CHOICES = ("auto", "family", "plain")  # chat_template; icecache.chat.CHOICES (tested equal)
 POSITIONS = ("auto", "true", "remap")
-REMAP_PAGES = ("ordered", "one", "scaled", "spread")
 MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
 WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
 MAX_THREADS = 256
@@ -88,22 +88,10 @@ class Settings:
     # Lloyd passes over the DCI-tree's bottom-level grouping after a build and every 256 keys
     # inserted (0: none): points move to the parent whose children's mean is nearest
     index_refine: int = 0
-    # pick the budget's tokens (not whole pages): the index selects token_pick x the budget in
-    # pages, and the tokens holding most of the group's attention among them are loaded (0: off)
-    token_pick: int = 0
-    # decode steps that share one index search (1: every step searches): steps in between reuse
-    # its pages (with token_pick: its candidates, picked anew by each step's query) while the
-    # tree is unchanged
-    search_every: int = 1
     # a decode step ranks the previous search's best carry_pages pages (at least its choice)
     # beside those its index walk reaches: a narrow beam keeps what an earlier, wider search
     # found while the queries still want it (0: off)
     carry_pages: int = 0
-    # the first answer_search generated tokens search as the prompt's last steps do (at least
-    # tail_beam_frac of the keys: all of them by default): an answer copied from the document
-    # keeps the passage the prompt's end found, where a narrow walk lost it after its first
-    # digits (0: off)
-    answer_search: int = 0
     # passages pinned for the answer (0: off): the prompt's last stepped tokens (up to 32) vote
     # over the offloaded tokens with every sparse layer's exact attention (a token's largest
     # head weight); the answer_spans best places (each a page before and two after, in token
@@ -115,9 +103,6 @@ class Settings:
     # rows' softmax weights are not inflated by what was left out. True positions only (a
     # remapped run ignores it): ice and ice-reuse
     rest_estimate: bool = False
-    # a one-token decode step of a Llama-family float32 model on the CPU runs its layers directly
-    # (icecache/fast_step.py), not through transformers' forward: the same ops, less around them
-    fast_step: bool = True
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
     max_context: int = 131072
@@ -138,19 +123,7 @@ class Settings:
     # Positions past the trained context: "remap" gives every attended token a distance the model
     # was trained on, "true" keeps true distances, "auto" remaps when a run outgrows the context.
     positions: str = "auto"
-    # remapped pages: rows next to each other in token order keep their true distance up to
-    # remap_gap tokens (1: packed one position apart; the span stays within half the context)
-    remap_gap: int = 1
-    # remapped pages: loaded rows at most remap_keep tokens beyond the window keep their true
-    # distance (0: none), as long as the rows farther back still fit in the trained context
-    # (placed by remap_pages)
-    remap_keep: int = 0
-    # where remapped pages go: "ordered" (packed just beyond the window, in token order), "one"
-    # (all at one distance), "scaled" (true distances within remap_keep, farther ones divided by
-    # the smallest whole factor that fits the document in the trained context), "spread" (as
-    # scaled, each row at least one position past the one before it)
-    remap_pages: str = "ordered"
-    # remapped "ordered" pages with pinned answer passages (answer_spans): the sink and the
+    # remapped pages with pinned answer passages (answer_spans): the sink and the
     # selected pages sit remap_pin_gap positions farther back than the passages, which stay
     # nearest the window, the best voted nearest (0: right behind them, in token order), as far
     # as the trained context allows; unless the best passage continues the sink (then nothing
@@ -160,6 +133,10 @@ class Settings:
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
+    # the prompts' form for a model file without a chat template (icecache.chat): "auto" (plain
+    # text; the model's own template where it has one), "family" (its family's template: Gemma,
+    # Llama 3, ChatML, Mistral) or "plain" (plain text even where it has one)
+    chat_template: str = "auto"
     # The document cache (icecache.doc_cache): a document's prefill saved on disk and loaded by
     # a later run over the same document. doc_cache: a folder, "" (the user cache folder, or
     # $ICECACHE_DOC_CACHE) or "off"; used from doc_cache_min_tokens of shared prompt prefix;
@@ -238,18 +215,12 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("index_merge", f"must be one of {', '.join(MERGES)}")
     if not 0 <= s.index_refine <= 10:
         raise bad("index_refine", "must be a whole number from 0 to 10")
-    if s.token_pick != 0 and not 2 <= s.token_pick <= 16:
-        raise bad("token_pick", "must be 0 (off) or a whole number from 2 to 16")
-    if not 1 <= s.search_every <= 16:
-        raise bad("search_every", "must be a whole number from 1 to 16")
     if s.prefill_beam < 0:
         raise bad("prefill_beam", "must be 0 (the index_beam) or more")
     if not 0 <= s.carry_pages <= 1024:
         raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
     if not 0 <= s.answer_spans <= 16:
         raise bad("answer_spans", "must be a whole number from 0 (off) to 16")
-    if not 0 <= s.answer_search <= 4096:
-        raise bad("answer_search", "must be a whole number from 0 (off) to 4096")
     if s.index_pages not in ("projection", "similar"):
         raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:
@@ -268,18 +239,14 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("prefill_queries", "must be >= 1")
     if s.dense_window <= 0:
         raise bad("dense_window", "must be > 0")
-    if not 1 <= s.remap_gap <= 4096:
-        raise bad("remap_gap", "must be between 1 and 4096")
-    if not 0 <= s.remap_keep <= 1_048_576:
-        raise bad("remap_keep", "must be between 0 and 1048576")
     if not 0 <= s.remap_pin_gap <= 1_048_576:
         raise bad("remap_pin_gap", "must be between 0 and 1048576")
-    if s.remap_pages not in REMAP_PAGES:
-        raise bad("remap_pages", f"must be one of {', '.join(REMAP_PAGES)}")
     if s.positions not in POSITIONS:
         raise bad("positions", f"must be one of {', '.join(POSITIONS)}")
     from .rope import SCALINGS
 
+    if s.chat_template not in CHAT_CHOICES:
+        raise bad("chat_template", f"must be one of {', '.join(CHAT_CHOICES)}")
     if s.rope_scaling not in SCALINGS:
         raise bad("rope_scaling", f"must be one of {', '.join(SCALINGS)}")
     if s.rope_scaling != "none" and s.positions == "remap":

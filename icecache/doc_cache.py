@@ -44,19 +44,18 @@ LENGTHS = "lengths.json"
 SHAPING = ("dtype", "weights", "chunk_size", "rope_scaling", "positions", "device")
 # Settings that a sparse prefill's saved state does not depend on: the profile's name and words,
 # where the cache lives and its limits, the threads. (A copy of a profile under another file name
-# re-prefilled a 100k document for 12 minutes: the name was part of the key.) ``fast_step`` and
-# the threads change a state only by float rounding.
+# re-prefilled a 100k document for 12 minutes: the name was part of the key.) The threads
+# change a state only by float rounding.
 # ``remap_pin_gap`` places rows only once answer passages are pinned, after the prompt's end,
 # never in a saved document prefix. ``dense_until`` decides whether a run has sparse layers at
 # all; a run that has them holds the same state whatever its value. ``dense_kv`` takes effect at
 # the first decode step, after any prefix is saved (and a cache already converted saves nothing).
 STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", "doc_cache_min_tokens", "cpu_threads",
-                           "fast_step", "remap_pin_gap", "dense_until", "dense_kv"})
+                           "remap_pin_gap", "dense_until", "dense_kv"})
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.
-SHAPING_IF_SET = {"remap_gap": 1, "remap_keep": 0, "remap_pages": "ordered", "index_refine": 0, "token_pick": 0,
-                  "rest_estimate": False}
+SHAPING_IF_SET = {"index_refine": 0, "rest_estimate": False}
 
 Warn = Callable[[str], None]
 

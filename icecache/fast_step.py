@@ -1,4 +1,5 @@
-"""One-token decode steps of Llama-family models without transformers' forward (``fast_step``).
+"""One-token decode steps of Llama-family models without transformers' forward (every decode
+step of a session takes it where it applies, :func:`fast_step_for`).
 
 On the CPU a decode step of the embedded model spends milliseconds in the machinery around its
 ops: the causal-mask builder, the output-capturing wrappers, keyword plumbing through four levels

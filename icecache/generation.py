@@ -50,6 +50,9 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def stop_token_ids(loaded: LoadedModel) -> set[int]:
+    """Where a reply ends: the end tokens of the model's generation config and tokenizer, and its
+    family's end-of-turn tokens (a GGUF's config names ``<eos>`` alone, Gemma replies end with
+    ``<end_of_turn>``)."""
     ids: set[int] = set()
     for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
         value = getattr(source, "eos_token_id", None)
@@ -57,7 +60,7 @@ def stop_token_ids(loaded: LoadedModel) -> set[int]:
             ids.add(value)
         elif value:
             ids.update(int(v) for v in value)
-    return ids
+    return ids | loaded.end_ids
 
 
 def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) -> torch.Tensor:
@@ -163,7 +166,7 @@ class Session:
         """Run ``ids`` (prompt chunk or one new token) through the model into the cache; return
         the logits at the last position. One decode step is ``forward([token])``."""
         model = self.loaded.model
-        fast = fast_step_for(model) if len(ids) == 1 and self.settings.fast_step else None
+        fast = fast_step_for(model) if len(ids) == 1 else None
         if fast is not None:
             logits = fast.step(ids[0], self.cache)
             self.cached_ids.extend(ids)

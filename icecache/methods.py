@@ -160,10 +160,7 @@ def ice_spec(settings: Settings, method: Method):
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
-        token_pick=settings.token_pick,
-        search_every=settings.search_every,
         carry_pages=settings.carry_pages,
-        answer_steps=settings.answer_search,
         answer_spans=settings.answer_spans if method.budgeted else 0,
         rest_estimate=settings.rest_estimate and method.budgeted,
         host_dtype=host_dtype(settings),
@@ -338,7 +335,10 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0,
     m = get(method)
     check_prefill(method, settings)
     prepare_model(method, model, settings, tokens)
+    from .cache.window import window_sizes
+
     layers = model.config.num_hidden_layers
+    windows = window_sizes(model.config, layers)  # the model's sliding-window layers keep their window only
     if m.cache == "paged":
         from .cache import IceCache
         from .cache.positions import Remap, RopeFrame
@@ -347,14 +347,14 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0,
         remap = None
         dense, clamp = dense_plan(method, model, settings, tokens, prompt_tokens)
         if not dense and positions(method, model, settings, tokens) == "remap":
-            remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack, gap=settings.remap_gap,
-                          keep=settings.remap_keep, pages=settings.remap_pages,
+            remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack,
                           pin_gap=settings.remap_pin_gap)
         return IceCache(layers, spec, dense_layers=layers if dense else settings.dense_layers,
                         reuse_every=(m.reuse_every or settings.reuse_every) if m.reuse else 1,
                         device=model.device, clamp=clamp,
                         remap=remap, dense_kv=dense_kv_dtype(settings, model.device),
-                        anchors=anchor_layers(m, layers, settings.dense_layers) if m.reuse else None)
+                        anchors=anchor_layers(m, layers, settings.dense_layers) if m.reuse else None,
+                        windows=windows)
     positions(method, model, settings, tokens)  # an explicit remap is an error here
     if m.cache == "oracle":
         from .cache import OracleCache, OracleSpec
@@ -362,11 +362,11 @@ def make_cache(method: str, model: Any, settings: Settings, tokens: int = 0,
         page = settings.page_size
         return OracleCache(layers, OracleSpec(budget=settings.budget, sink=settings.sink_pages * page,
                                               window=settings.window_pages * page,
-                                              dense_layers=settings.dense_layers, per=m.oracle_per))
+                                              dense_layers=settings.dense_layers, per=m.oracle_per), windows)
     if m.cache == "dense":
         from .cache import DenseCache
 
-        return DenseCache(layers, dense_kv_dtype(settings, model.device))
+        return DenseCache(layers, dense_kv_dtype(settings, model.device), windows)
     from transformers import DynamicCache
 
     return DynamicCache(config=model.config)

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from .chat import adopt_template, end_token_ids
 from .config import Settings
 from .errors import ModelError
 
@@ -48,6 +49,8 @@ class LoadedModel:
     load_seconds: float
     converted_now: bool = False
     weights: str = "float"  # the format the linear layers are in (``auto`` resolved)
+    template: str = "own"  # the prompts' chat template: the model's own, its family's, or plain (chat.py)
+    end_ids: frozenset[int] = frozenset()  # its family's end-of-turn tokens (chat.py): a reply stops there too
 
 
 def cache_root() -> Path:
@@ -253,6 +256,15 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         raise ModelError(f"model {spec} could not be loaded: {exc}") from None
     model.to(settings.device)
     model.eval()
+    model_type = getattr(model.config, "model_type", "")
+    try:
+        template = adopt_template(tokenizer, model_type, settings.chat_template)
+    except ValueError as exc:
+        raise ModelError(str(exc)) from None
+    if template == "plain" and settings.chat_template == "auto":
+        log("chat template: none in the model file: plain text prompts (chat_template: family for its family's)")
+    elif template not in ("own", "plain"):
+        log(f"chat template: {template}'s (the model file has none)")
     weights = "float"
     if settings.weights != "float":
         from .weights import apply_weights
@@ -270,4 +282,6 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         load_seconds=time.perf_counter() - start,
         converted_now=converted,
         weights=weights,
+        template=template,
+        end_ids=frozenset(end_token_ids(tokenizer, model_type)),
     )

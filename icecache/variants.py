@@ -1,4 +1,4 @@
-"""Method variants on the command line: ``ice[token_pick=4,answer_spans=3]`` is ``ice`` with
+"""Method variants on the command line: ``ice[carry_pages=8,answer_spans=3]`` is ``ice`` with
 those profile keys changed for its own rows (``bench decode --methods``, ``eval --methods``), so
 two settings are compared in one run, on the same cases and the same machine."""
 
@@ -8,7 +8,7 @@ from .errors import UsageError
 
 # Keys one run shares between its methods: the loaded model (its weights, dtype, device, threads
 # and RoPE scaling) and, in ``eval``, the full prefill a case's methods start from.
-RUN_KEYS = ("device", "dtype", "weights", "rope_scaling", "cpu_threads", "chunk_size")
+RUN_KEYS = ("device", "dtype", "weights", "rope_scaling", "cpu_threads", "chunk_size", "chat_template")
 
 
 def split_methods(text: str, flag: str = "--methods") -> list[str]:
@@ -30,7 +30,7 @@ def split_methods(text: str, flag: str = "--methods") -> list[str]:
 
 
 def base_method(label: str) -> str:
-    """The method a variant's label names: 'ice[token_pick=4]' -> 'ice'."""
+    """The method a variant's label names: 'ice[carry_pages=8]' -> 'ice'."""
     return label.partition("[")[0].strip()
 
 

@@ -67,15 +67,13 @@ def compile_loads(kv_heads=KV_HEADS) -> None:
 
 def compile_cache() -> None:
     """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
-    the dense decode scores (and the votes' scores over 16-bit host keys), token_pick's choice
-    (the pick and the packing of the chosen tokens into pages) and the remapped positions'
-    offsets and key placement."""
+    the dense decode scores (and the votes' scores over 16-bit host keys), the packing of chosen
+    tokens into pages and the remapped positions' offsets and key placement."""
     from .cache.kernels import (
         choose_tokens,
         dense_scores,
         half_scores,
         ordered_offsets_nb,
-        pick_rows,
         place_rows,
         plan_head,
     )
@@ -91,12 +89,9 @@ def compile_cache() -> None:
     for brain in (False, True):  # answer_spans' votes over a float16 or bfloat16 host store
         half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
                     np.empty((2, 3, 16), np.float32))
-    px = np.zeros((4, S, 9), np.float32)
-    pick_rows(px, members, np.full(4, S, np.int32), np.arange(4, dtype=np.int64),
-              np.ones((3, 8), np.float32), 6, 0.35)
     choose_tokens(np.full((P, S), -1, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int64),
                   np.arange(5, dtype=np.int32))
-    ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 1, 10, -1)
+    ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 10, -1)
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
     compile_loads()

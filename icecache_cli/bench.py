@@ -33,7 +33,7 @@ def bench_main(
     context: typer.Context,
     ctx: Annotated[str | None, typer.Option("--ctx", help="Context lengths, comma-separated (8k = 8192).", show_default=False)] = None,
     methods: Annotated[str, typer.Option("--methods", help="Methods, comma-separated (ratios are to full and dense when present). llama.cpp: the same GGUF and tokens through llama-cpp-python, when it is installed.")] = "full,dense,ice,ice-reuse,quest",
-    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps, or the profile's answer_search if more: an answer's first tokens search every key).")] = 16,
+    steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps per method (after 2 warm-up steps).")] = 16,
     full_prefill_max: Annotated[str, typer.Option("--full-prefill-max", help="Longest context prefilled with full attention; longer ones use the ice sparse prefill and the other methods decode from its rebuilt KV.")] = "32k",
     max_seconds: Annotated[float | None, typer.Option("--max-seconds", min=0.0, help="A method whose decode step takes longer is reported as over the cap, and skipped.", show_default=False)] = None,
     out: Annotated[Path | None, typer.Option("--out", help="Folder for config.json and results.jsonl (each row appended as soon as it is measured).", show_default=False)] = None,
@@ -268,7 +268,7 @@ def index(
     refine: Annotated[str | None, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
                                                "(0: none), or several comma-separated (same keys). Default: "
                                                "the cpu profile's index_refine.", show_default=False)] = None,
-    pick: Annotated[str, typer.Option("--pick", help="token_pick multiples measured beside the pages "
+    pick: Annotated[str, typer.Option("--pick", help="Token-pick multiples measured beside the pages "
                                       "(ice_pickM: the budget's best tokens among M x the budget in "
                                       "pages), comma-separated; 0: none.")] = "4",
     model: FullModelOpt = None,
@@ -360,7 +360,7 @@ def decode(
     ctx: Annotated[str, typer.Option("--ctx", help="Context lengths, comma-separated (16k = 16384).")] = "16k,32k",
     methods: Annotated[str, typer.Option("--methods", help="Methods to compare; the first is the baseline. "
                                          "A method may change profile keys for its own row: "
-                                         "'ice\\[token_pick=4]', 'ice\\[index_merge=mass,index_refine=2]'.")] = "full,ice",
+                                         "'ice\\[carry_pages=8]', 'ice\\[index_merge=mass,index_refine=2]'.")] = "full,ice",
     steps: Annotated[int, typer.Option("--decode-steps", min=1, help="Timed decode steps.")] = 16,
     rounds: Annotated[int, typer.Option("--rounds", min=1, help="Turns the methods take in order, each timing its share of the steps (A B A B ...): a drift of the machine's speed then slows every method alike (every method's cache is held at once). 1: each method's steps in one go, one cache at a time.")] = 4,
     linears: Annotated[bool, typer.Option("--time-linears", help="Also time the linear layers (the LM head included) in the breakdown, by forward hooks (a few microseconds per layer more per step).")] = False,

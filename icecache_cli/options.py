@@ -59,6 +59,10 @@ WeightsOpt = _profile_setting(str, "--weights", about=(
     "head's int8 logits checked against the float weights wherever the largest could be), or auto "
     "(int4 where it holds the model's weights exactly, else float). int8 and int4 run on the CPU only; "
     "decode reads a quarter or an eighth of float32's bytes."))
+ChatTemplateOpt = _profile_setting(str, "--chat-template", about=(
+    "The prompts' form for a model file without a chat template: auto (plain text; the model's "
+    "own template where it has one), family (its family's: Gemma, Llama 3, ChatML, Mistral) or "
+    "plain. A reply also stops at the family's end-of-turn token."))
 ChunkOpt = _profile_setting(int, "--chunk-size", min=1, about="Prompt tokens per prefill chunk (a multiple of the page size).")
 PipelineOpt = _profile_setting(bool, "--pipeline/--no-pipeline", about=(
     "Offload and index each layer in the background while the next computes (the profile's: on)."))
@@ -95,6 +99,7 @@ class RunOptions:
     positions: PositionsOpt = None
     rope_scaling: RopeScalingOpt = None
     weights: WeightsOpt = None
+    chat_template: ChatTemplateOpt = None
     chunk_size: ChunkOpt = None
     pipeline: PipelineOpt = None
     doc_cache: DocCacheOpt = None
@@ -107,7 +112,7 @@ class RunOptions:
         """The settings given as flags (``None``: the profile's)."""
         return dict(budget=self.budget, reuse_every=self.reuse_every, prefill=self.prefill,
                     chunk_size=self.chunk_size, pipeline=self.pipeline, positions=self.positions,
-                    rope_scaling=self.rope_scaling, weights=self.weights,
+                    rope_scaling=self.rope_scaling, weights=self.weights, chat_template=self.chat_template,
                     doc_cache="off" if self.no_doc_cache else self.doc_cache)
 
 

@@ -147,7 +147,7 @@ def run_task(
         _report(reporter, runner, result, settings, method)
         if opts.stats:
             print_stats_line(final_stats(result, runner.session.cache, settings, runner.session,
-                                         weights=loaded.weights), as_json)
+                                         weights=loaded.weights, template=loaded.template), as_json)
     if as_json:
         emit(json.dumps(result.to_json(), ensure_ascii=False))
     elif not stream_out:
@@ -206,7 +206,8 @@ def _report(reporter: Reporter, runner: Runner, result: TaskResult, settings: Se
         f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
 
 
-def final_stats(result: TaskResult, cache, settings, session=None, weights: str | None = None) -> dict:
+def final_stats(result: TaskResult, cache, settings, session=None, weights: str | None = None,
+                template: str | None = None) -> dict:
     """The run's figures for ``--stats``: prompt, prefill speed, per-token latency, memory."""
     steps = [1000 * t for s in result.stats for t in s.step_seconds]
     steps.sort()
@@ -219,6 +220,7 @@ def final_stats(result: TaskResult, cache, settings, session=None, weights: str 
         "all_dense": session.all_dense if session is not None else None,
         "rope_scaling": settings.rope_scaling,
         "weights": weights or settings.weights,
+        "template": template,  # the prompts' chat template: own, a family's (icecache.chat), plain
         "prompt_tokens": result.tokens_in,
         "prefix_cached_tokens": sum(s.prefix_cached_tokens for s in result.stats),
         "prefill_s": round(pre_s, 3),

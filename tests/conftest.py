@@ -44,12 +44,12 @@ _one_core_per_worker()
 def quick_profile(tmp_path_factory) -> str:
     """The cpu profile with ``prefill_queries: 4``: a sparse prefill steps the prompt's last 8
     tokens one by one instead of 32, for CLI tests whose prompts are a few hundred tokens; and
-    ``answer_search: 0``, so that a bench warms up through 2 steps, not 16; and ``dense_until: 0``,
-    so that ice keeps its pages on those prompts (a short run is dense otherwise)."""
+    ``dense_until: 0``, so that ice keeps its pages on those prompts (a short run is dense
+    otherwise)."""
     import yaml
 
     data = yaml.safe_load((REPO / "profiles" / "cpu.yaml").read_text(encoding="utf-8"))
-    data.update(name="cpu-quick", prefill_queries=4, answer_search=0, dense_until=0)
+    data.update(name="cpu-quick", prefill_queries=4, dense_until=0)
     path = tmp_path_factory.mktemp("profiles") / "cpu-quick.yaml"
     path.write_text(yaml.safe_dump(data), encoding="utf-8")
     return str(path)

@@ -48,8 +48,6 @@ BAD_PROFILES = [
     ("cpu_threads: -1\n", "key 'cpu_threads' must be between 0"),
     ("window_pages: 0\n", "key 'window_pages' must be >= 1"),
     ("index_pages: kmeans\n", "key 'index_pages' must be 'projection' or 'similar'"),
-    ("remap_pages: grouped\n", "key 'remap_pages' must be one of ordered, one, scaled, spread"),
-    ("remap_keep: -3\n", "key 'remap_keep' must be between 0"),
     ("index_merge: sum\n", "key 'index_merge' must be one of ranks, mass, peaks"),
     ("tail_budget: 24\n", "key 'tail_budget' must be a positive multiple of page_size (16)"),
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),

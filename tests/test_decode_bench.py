@@ -22,7 +22,7 @@ def test_decode_bench_shared_prefill(loaded, cpu_settings):
     assert (settings.window_pages, settings.answer_spans, resident) == (8, 3, 384)
     per_token_layer = 2 * 3 * 64 * 4  # K and V, 3 KV heads, head_dim 64, float32
     assert ice.device_kv_bytes_sparse_layers == 28 * resident * per_token_layer
-    warm = max(2, settings.answer_search)  # the warm-up covers the answer's exact searches
+    warm = 2  # warm-up steps
     assert full.device_kv_bytes_sparse_layers == 28 * (400 + warm + 2) * per_token_layer  # prompt + warm-up + 2 timed
     assert ice.host_kv_bytes > 0 and full.host_kv_bytes == 0
     assert set(ice.breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
@@ -42,7 +42,7 @@ def test_interleaved_rounds_decode_as_each_method_alone(loaded, cpu_settings):
     timers = [decode_bench.start(loaded, settings, m, shared) for m in ("full", "ice")]
     rows = decode_bench.interleaved(timers, 7, 3)
     assert [t.tokens for t in timers] == [alone["full"], alone["ice"]]
-    warm = max(2, settings.answer_search)  # warm-up steps (the answer's exact searches among them)
+    warm = 2  # warm-up steps
     assert [len(t.times) for t in timers] == [7, 7] and len(alone["full"]) == 7 + warm
     assert [r.method for r in rows] == ["full", "ice"] and all(r.ctx == 300 for r in rows)
     assert set(rows[1].breakdown_ms) == {"index_query", "page_loading", "ice_attention", "rest_of_model"}
@@ -194,22 +194,22 @@ def test_bench_positions_measured_side_by_side(quick_profile):
 
 
 def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
-    """``--methods full,ice[token_pick=4,index_merge=mass]``: brackets keep their commas, the
+    """``--methods full,ice[answer_spans=4,index_merge=mass]``: brackets keep their commas, the
     keys are checked as a profile's, and a bad one is a usage error naming it."""
     from icecache.errors import UsageError
     from icecache.variants import parse_variant, split_methods
 
-    assert split_methods("full, ice[token_pick=4,index_merge=mass],quest") == [
-        "full", "ice[token_pick=4,index_merge=mass]", "quest"]
-    label, method, s = parse_variant("ice[token_pick=4,index_merge=mass]", cpu_settings)
-    assert (label, method, s.token_pick, s.index_merge) == ("ice[token_pick=4,index_merge=mass]", "ice", 4, "mass")
+    assert split_methods("full, ice[answer_spans=4,index_merge=mass],quest") == [
+        "full", "ice[answer_spans=4,index_merge=mass]", "quest"]
+    label, method, s = parse_variant("ice[answer_spans=4,index_merge=mass]", cpu_settings)
+    assert (label, method, s.answer_spans, s.index_merge) == ("ice[answer_spans=4,index_merge=mass]", "ice", 4, "mass")
     assert parse_variant("ice", cpu_settings) == ("ice", "ice", cpu_settings)
-    for bad, words in (("ice[token_pick=1]", "token_pick"), ("ice[nope=2]", "nope"),
-                       ("ice[token_pick]", "key=value"), ("ice[token_pick=x]", "token_pick")):
+    for bad, words in (("ice[answer_spans=17]", "answer_spans"), ("ice[nope=2]", "nope"),
+                       ("ice[answer_spans]", "key=value"), ("ice[answer_spans=x]", "answer_spans")):
         with pytest.raises(UsageError, match=words):
             parse_variant(bad, cpu_settings)
     with pytest.raises(UsageError, match="brackets"):
-        split_methods("ice[token_pick=4")
+        split_methods("ice[answer_spans=4")
 
 
 def test_bench_decode_refuses_keys_its_methods_share(quick_profile):
@@ -235,11 +235,11 @@ def test_bench_decode_command_rounds(rounds, quick_profile):
     from .conftest import run_cli
 
     extra = ["--time-linears"] if rounds == "2" else []
-    r = run_cli(["bench", "decode", "--ctx", "300", "--methods", "full,ice[search_every=2]", "--decode-steps", "3",
+    r = run_cli(["bench", "decode", "--ctx", "300", "--methods", "full,ice[carry_pages=8]", "--decode-steps", "3",
                  "--rounds", rounds, "--budget", "64", "--json", "--profile", quick_profile] + extra)
     assert r.returncode == 0, r.stderr.decode()
     rows = json.loads(r.stdout.decode().strip().splitlines()[-1])["results"]
-    assert [x["method"] for x in rows] == ["full", "ice[search_every=2]"]
+    assert [x["method"] for x in rows] == ["full", "ice[carry_pages=8]"]
     assert all(x["tpot_ms"] > 0 and x["ctx"] == 300 for x in rows)
     assert rows[0]["tpot_ratio_vs_full"] == 1.0 and rows[1]["host_kv_bytes"] > 0
     assert ("interleaved rounds" in r.stderr.decode()) == (rounds == "2")

@@ -42,18 +42,16 @@ def test_dense_scores_kernel_matches_the_product(G):
 
 @pytest.mark.parametrize("T", [1, 300, 5000])
 def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
-    """The numba path of dense_decode (long caches on CPU) against its matrix products, on a
-    view of the first T rows of a larger buffer; a layout it cannot read in place (rows not
-    contiguous) takes the products."""
+    """The numba path of dense_decode (long caches on CPU) against its matrix products
+    (dense_decode_reference), on a view of the first T rows of a larger buffer; a layout it
+    cannot read in place (rows not contiguous) takes the products."""
     from icecache.cache import dense, kernels
 
     torch.manual_seed(T)
     q = torch.randn(1, 6, 1, 32)
     kb, vb = 2 * torch.randn(1, 3, T + 77, 32), torch.randn(1, 3, T + 77, 32)
     k, v = kb[:, :, :T], vb[:, :, :T]
-    monkeypatch.setattr(dense, "DENSE_KERNEL", False)
-    ref = dense.dense_decode(q, k, v, 0.2)
-    monkeypatch.setattr(dense, "DENSE_KERNEL", True)
+    ref = dense.dense_decode_reference(q, k, v, 0.2)
     monkeypatch.setattr(dense, "DENSE_KERNEL_MIN", 1)
     called = []
     real = kernels.dense_scores

@@ -108,7 +108,7 @@ def _tiny():
     model = tf.LlamaForCausalLM(cfg).eval()
     loaded = LoadedModel(model=model, tokenizer=None, name="tiny", context_length=64, load_seconds=0.0)
     s = Settings(device="cpu", dtype="float32", prefill="auto", positions="auto", dense_until=100,
-                 page_size=4, budget=8, sink_pages=1, window_pages=2, fast_step=False)
+                 page_size=4, budget=8, sink_pages=1, window_pages=2)
     return loaded, s
 
 

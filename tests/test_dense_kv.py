@@ -54,7 +54,8 @@ def test_a_16_bit_decode_equals_attention_over_the_rounded_rows(T, numba_scores,
     from icecache.cache import dense
     from icecache.cache.paged import paged_decode_reference
 
-    monkeypatch.setattr(dense, "HALF_NUMBA", numba_scores)
+    if not numba_scores:  # keys numba cannot read in place: torch's bfloat16 products score them
+        monkeypatch.setattr(dense, "_rows_buffer", lambda _t: None)
     layer, k, v, keys, values = _filled(T, d=16 if T < 10_000 else 8)
     H, d = k.shape[1], k.shape[3]
     g = torch.Generator().manual_seed(1)

@@ -21,7 +21,7 @@ PREFIX = 200  # the shared part of the prompts below
 
 @pytest.fixture(scope="module")
 def loaded():
-    return SimpleNamespace(model=tiny_model(), tokenizer=SimpleNamespace(eos_token_id=None))
+    return SimpleNamespace(model=tiny_model(), tokenizer=SimpleNamespace(eos_token_id=None), end_ids=frozenset())
 
 
 def prompt(question: int = 0) -> list[int]:
@@ -64,7 +64,7 @@ def test_other_settings_or_model_do_not_match(loaded, tmp_path):
     _, stats = run(loaded, "full", tmp_path, settings=SETTINGS.replace(chunk_size=32))
     assert stats.prefix_cached_tokens == 0  # the chunking shapes the KV: its own entry
     assert len(list_entries(tmp_path)) == 2
-    other = SimpleNamespace(model=tiny_model(), tokenizer=loaded.tokenizer)
+    other = SimpleNamespace(model=tiny_model(), tokenizer=loaded.tokenizer, end_ids=frozenset())
     other.model.config.rms_norm_eps = 1e-3  # other weights or configuration
     _, stats = run(other, "full", tmp_path)
     assert stats.prefix_cached_tokens == 0
@@ -344,9 +344,9 @@ def test_settings_added_later_join_the_identity_only_when_set(loaded, tmp_path):
     (entry,) = [p for p in tmp_path.iterdir() if (p / MANIFEST).is_file()]
     saved = json.dumps(json.loads((entry / MANIFEST).read_text())["identity"])
     assert all(f'"{k}"' not in saved for k in SHAPING_IF_SET)
-    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "remap_keep": 64}, 40)
+    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "index_refine": 1}, 40)
     assert stats.prefix_cached_tokens == 0 and len(list_entries(tmp_path)) == 2
-    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "remap_keep": 0}, 40)
+    _, stats, _ = run_sparse(loaded, "ice", tmp_path, {"positions": "remap", "index_refine": 0}, 40)
     assert stats.prefix_cached_tokens == PREFIX
 
 

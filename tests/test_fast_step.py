@@ -150,15 +150,18 @@ def test_models_it_cannot_run_fall_back():
     assert fast_step_for(plain) is fast_step_for(plain)  # made once per model
 
 
-def test_session_uses_it_only_where_set(loaded):
-    """``fast_step: false`` gives transformers' forward; both sessions pick the same tokens."""
+def test_session_uses_it_against_the_forward(loaded, monkeypatch):
+    """A session's decode steps take the fast step; with it out of reach (the reference:
+    transformers' forward) a session picks the same tokens."""
+    from icecache import generation
     from icecache.generation import Session
 
     ids = loaded.tokenizer("The harbor office opened at dawn. The first ship was the Blue Gull.")["input_ids"]
     outs = []
     for flag in (True, False):
-        settings = resolve_settings("cpu").replace(fast_step=flag)
-        s = Session(loaded, settings, "ice")
+        if not flag:
+            monkeypatch.setattr(generation, "fast_step_for", lambda _model: None)
+        s = Session(loaded, resolve_settings("cpu"), "ice")
         called = []
         fast = fast_step_for(loaded.model)
         original = fast.step

@@ -9,6 +9,7 @@ import torch
 
 from icecache.cache import IceCache, IceSpec, paged_decode_reference
 from icecache.cache.paged import paged_decode_sdpa
+from icecache.cache.window import WindowLayer, window_sizes
 from icecache.index import IndexConfig
 from icecache.methods import make_cache, prepare_model
 
@@ -24,9 +25,13 @@ def tiny_model(arch: str, kv_heads: int = 2):
         "mistral": lambda: tf.MistralConfig(**common, sliding_window=None),
         "qwen2": lambda: tf.Qwen2Config(**common),
         "qwen3": lambda: tf.Qwen3Config(**common, head_dim=16),
+        # Gemma 3's pattern: window layers (a window shorter than the prompt) and a global layer,
+        # head_dim 32 with one KV head, its own RoPE base per layer kind
+        "gemma3": lambda: tf.Gemma3TextConfig(**{**common, "num_key_value_heads": 1}, head_dim=32, sliding_window=24,
+                                              layer_types=["sliding_attention"] * 3 + ["full_attention"]),
     }[arch]()
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM}[arch]
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[arch]
     model = cls(cfg).eval()
     return model
 
@@ -55,7 +60,8 @@ def run_steps(model, cache, prompt: list[int], forced: list[int]) -> list[torch.
 
 def ice_cache(model, s: IceSpec, dense: int = 1, reuse: int = 1) -> IceCache:
     prepare_model("ice", model)
-    return IceCache(model.config.num_hidden_layers, s, dense_layers=dense, reuse_every=reuse)
+    n = model.config.num_hidden_layers
+    return IceCache(n, s, dense_layers=dense, reuse_every=reuse, windows=window_sizes(model.config, n))
 
 
 def full_cache(model):
@@ -67,7 +73,8 @@ def full_cache(model):
 
 @pytest.mark.parametrize("arch,kv_heads,pages", [("llama", 2, "projection"), ("llama", 4, "projection"),
                                                  ("mistral", 2, "projection"), ("qwen2", 1, "projection"),
-                                                 ("qwen3", 2, "projection"), ("llama", 2, "similar")])
+                                                 ("qwen3", 2, "projection"), ("llama", 2, "similar"),
+                                                 ("gemma3", 1, "projection")])
 def test_budget_covering_everything_equals_full(arch, kv_heads, pages):
     """With room for every page, ice decodes exactly like the dense cache, through evictions."""
     model = tiny_model(arch, kv_heads)
@@ -83,6 +90,9 @@ def test_budget_covering_everything_equals_full(arch, kv_heads, pages):
     assert layer.length == 190 and layer.resident.sink_fill + layer.store.rows + layer.resident.window_fill == 190
     assert layer.store.rows > 150 - 8 - 8  # pages left the window for the host store and the index
     assert cache.stats.steps == 40 and cache.stats.pages_loaded > 0
+    windows = [x for x in cache.layers if isinstance(x, WindowLayer)]
+    assert len(windows) == (3 if arch == "gemma3" else 0)  # a model's window layers hold their window only
+    assert all(x.keys.shape[2] < x.sliding_window for x in windows)
 
 
 def test_float16_host_store_halves_host_bytes_and_stays_close():
@@ -331,7 +341,6 @@ def test_one_call_load_equals_the_general_path(store_dtype, pinned_slots):
         count = rng.integers(1, S + 1, npages).astype(np.int32)
         tables.append((members, count, np.zeros(npages, np.int64)))
     pools = [ResidentKV(backend, H, d, torch.float32, 4, S, P, 8, pinned_slots) for _ in range(2)]
-    pools[1].general_load = True
     for r in pools:
         r.track_rows = True
     assert pools[0]._one_call(store) is not None
@@ -346,7 +355,8 @@ def test_one_call_load_equals_the_general_path(store_dtype, pinned_slots):
         selected = [rng.choice(npages, rng.integers(0, P - pinned_slots + 1), replace=False).astype(np.int32)
                     for _ in range(H)]
         use_pins = pinned if pinned_slots and step % 4 else None
-        got = [r.load(selected, lambda h: tables[h], store, use_pins) for r in pools]
+        got = [pools[0].load(selected, lambda h: tables[h], store, use_pins),
+               pools[1].load_reference(selected, lambda h: tables[h], store, use_pins)]
         assert got[0] == got[1]
         a, b = pools
         for name in ("slot_page", "slot_version", "slot_fill", "valid", "pool_row"):
@@ -376,85 +386,18 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     prepare_model("full", model)
 
 
-@pytest.mark.parametrize("pick,every,carry", [(4, 1, 0), (0, 4, 0), (4, 4, 0), (0, 1, 1), (0, 1, 80),
-                                             (4, 1, 8)])
-def test_token_pick_and_search_every_covering_everything_equal_full(pick, every, carry):
-    """With room for every token, token_pick, reused searches (pages and picks) and carried
-    pages decode exactly like the dense cache."""
+@pytest.mark.parametrize("carry", [1, 80])
+def test_carried_pages_covering_everything_equal_full(carry):
+    """With room for every token, carried pages decode exactly like the dense cache."""
     model = tiny_model("llama", 2)
-    rng = np.random.default_rng(3 if every == 1 else 5)
+    rng = np.random.default_rng(3)
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 30).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    s = IceSpec(**{**spec(budget_pages=64).__dict__, "token_pick": pick, "search_every": every,
-                   "carry_pages": carry})
+    s = IceSpec(**{**spec(budget_pages=64).__dict__, "carry_pages": carry})
     got = run_steps(model, ice_cache(model, s), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
-
-
-def picked_rows(sel, head: int, pages: np.ndarray) -> np.ndarray:
-    members, count, _ = sel.page_table(head)
-    return np.sort(np.concatenate([members[p, : count[p]] for p in pages]))
-
-
-def test_token_pick_loads_the_candidates_best_tokens():
-    """Each KV head's pick is the ``take`` candidates (members of the tree's m x budget pages)
-    with the most of the group's softmax weight, computed here with NumPy; the picked tokens
-    fit ``max_pages`` pages at every step, also after a wider selection (a prefill chunk's)."""
-    from icecache.cache.selectors import make_selector
-    from icecache.cache.selectors.dci import page_members
-
-    rng = np.random.default_rng(7)
-    S, H, G, d, n = 4, 2, 3, 16, 600
-    s = IceSpec(page_size=S, budget_pages=6, index=IndexConfig(page_size=S, ratio_bottom=0.1),
-                token_pick=3, sparse_prefill=True, prefill_pages=12)
-    sel = make_selector(s)
-    keys = rng.normal(size=(H, n, d)).astype(np.float32)
-    sel.build(torch.from_numpy(keys), 0, n, n + 64)
-    for step in range(12):
-        max_pages = 12 if step < 3 else 6  # chunks first, then decode steps
-        q = rng.normal(size=(H, G, d)).astype(np.float32) * 2
-        cand = sel.select_pages(q, 3 * max_pages)
-        got = sel.select(q, max_pages)
-        for h in range(H):
-            rows = page_members(sel.indexes[h], cand[h])
-            z = (q[h].astype(np.float64) @ keys[h, rows].astype(np.float64).T) * d ** -0.5
-            w = np.exp(z - z.max(axis=1, keepdims=True))
-            w = (w / w.sum(axis=1, keepdims=True)).sum(axis=0)
-            want = np.sort(rows[np.argsort(-w, kind="stable")[: max_pages * S]])
-            assert len(rows) > max_pages * S  # a real choice among more candidates
-            np.testing.assert_array_equal(picked_rows(sel, h, got[h]), want)
-            assert len(got[h]) <= max_pages
-
-
-def test_token_pick_pool_holds_the_picked_rows():
-    """In a decode step with token_pick the pool's valid rows are exactly the picked host rows,
-    and a page whose members changed is loaded again (its version moved)."""
-    model = tiny_model("llama", 2)
-    rng = np.random.default_rng(4)
-    prompt = rng.integers(0, 97, 200).tolist()
-    forced = rng.integers(0, 97, 12).tolist()
-    s = IceSpec(**{**spec(budget_pages=4).__dict__, "token_pick": 4})
-    cache = ice_cache(model, s)
-    run_steps(model, cache, prompt, forced)
-    layer = cache.ice_layers()[0]
-    r = layer.resident
-    r.track_rows = True
-    r.slot_page[:] = -1  # an empty pool: every picked page is loaded (rows recorded)
-    r.valid[:, r.pool_at : r.window_at] = False
-    with torch.inference_mode():
-        layer.select(torch.randn(4, 16))
-        layer.load()
-    pool = slice(r.pool_at, r.window_at)
-    for h in range(layer.heads):
-        valid = r.valid[h, pool]
-        held = r.pool_row[h][valid]
-        rows = picked_rows(layer.selector, h, layer.selected[h])
-        assert len(rows) == 4 * 4  # the budget's tokens, not whole tree pages
-        np.testing.assert_array_equal(np.sort(held), rows)
-        torch.testing.assert_close(r.keys[h, pool][torch.from_numpy(valid)],
-                                   layer.store.keys[h, torch.from_numpy(held)].to(r.keys.dtype))
 
 
 def test_pick_kernel_equals_the_numpy_reference():
@@ -493,92 +436,6 @@ def test_choose_kernel_equals_the_numpy_reference():
         assert sorted(fast.tokens().tolist()) == sorted(tokens.tolist())
     with pytest.raises(ValueError, match="do not fit"):
         fast.choose(np.arange(25))
-
-
-def test_token_pick_prefill_takes_whole_tree_pages():
-    """A sparse prefill's choice (a chunk, a prompt-end step) under token_pick is the tree's own
-    pages (their members through the pick table), not picked tokens; a step's own search width
-    is kept."""
-    from icecache.cache.selectors import make_selector
-    from icecache.cache.selectors.dci import page_members
-
-    rng = np.random.default_rng(8)
-    S, H, G, d, n = 4, 2, 3, 16, 500
-    s = IceSpec(page_size=S, budget_pages=6, index=IndexConfig(page_size=S, ratio_bottom=0.1),
-                token_pick=3, sparse_prefill=True, prefill_pages=10)
-    sel = make_selector(s)
-    sel.build(torch.from_numpy(rng.normal(size=(H, n, d)).astype(np.float32)), 0, n, n + 64)
-    for _ in range(4):
-        q = rng.normal(size=(H, G * 4, d)).astype(np.float32)
-        pages = sel.select_pages(q, 10)
-        got = sel.select_prefill(q, 10)
-        for h in range(H):
-            np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
-                                          np.sort(page_members(sel.indexes[h], pages[h])))
-        wide = sel.select_pages(q, 10, 1.0)
-        got = sel.select_prefill(q, 10, 1.0)
-        for h in range(H):
-            np.testing.assert_array_equal(picked_rows(sel, h, got[h]),
-                                          np.sort(page_members(sel.indexes[h], wide[h])))
-
-
-@pytest.mark.parametrize("pick", [0, 3])
-def test_search_every_reuses_a_search_while_the_tree_is_unchanged(pick):
-    """``search_every: r``: a decode step reuses the last search for at most r steps in a row; a
-    key insert, a prefill step or another request searches again. With ``token_pick`` each step
-    still picks its own tokens (by its own query) among the held candidates."""
-    from icecache.cache.selectors import make_selector
-    from icecache.cache.selectors.dci import page_members
-
-    rng = np.random.default_rng(9)
-    S, H, G, d, n = 4, 2, 3, 16, 500
-    s = IceSpec(page_size=S, budget_pages=5, index=IndexConfig(page_size=S, ratio_bottom=0.1),
-                token_pick=pick, search_every=3)
-    sel = make_selector(s)
-    keys = rng.normal(size=(H, n, d)).astype(np.float32)
-    sel.build(torch.from_numpy(keys), 0, n, n + 64)
-    searches = []
-    real = sel.select_pages
-
-    def counting(q, max_pages, wide=0.0, extra=None):
-        searches.append(max_pages)
-        return real(q, max_pages, wide, extra)
-
-    sel.select_pages = counting
-    per = max(1, pick)
-
-    def step(q):
-        got = sel.select(q, 5)
-        held = sel.held[1]
-        for h in range(H):
-            if not pick:
-                np.testing.assert_array_equal(got[h], held[h])
-                continue
-            rows = page_members(sel.indexes[h], held[h])
-            z = (q[h].astype(np.float64) @ sel.indexes[h].rows(rows)[:, :d].astype(np.float64).T) * d ** -0.5
-            w = np.exp(z - z.max(axis=1, keepdims=True))
-            w = (w / w.sum(axis=1, keepdims=True)).sum(axis=0)
-            want = np.sort(rows[np.argsort(-w, kind="stable")[: 5 * S]])
-            np.testing.assert_array_equal(picked_rows(sel, h, got[h]), want)
-        return got
-
-    qs = [rng.normal(size=(H, G, d)).astype(np.float32) * 2 for _ in range(12)]
-    stale = 0
-    for i, q in enumerate(qs[:7]):
-        step(q)
-        if i % 3:  # a reused step: would a search of its own have returned other pages?
-            stale += any(not np.array_equal(a, b) for a, b in zip(real(q, 5 * per), sel.held[1], strict=True))
-    assert len(searches) == 3  # steps 1, 4 and 7 searched
-    assert stale  # the reuse is real: held pages differ from the step's own search
-    sel.insert(torch.from_numpy(rng.normal(size=(H, S, d)).astype(np.float32)))
-    step(qs[7])
-    assert len(searches) == 4  # the tree changed
-    sel.select_prefill(qs[8], 5)
-    step(qs[9])
-    assert len(searches) == 6  # the prefill step searched, and the next decode step again
-    sel.select(qs[10], 4)
-    assert searches[-1] == 4 * per and len(searches) == 7  # another request is another search
-
 
 
 def test_carry_pages_keeps_what_a_wider_search_found():

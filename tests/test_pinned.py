@@ -83,7 +83,7 @@ def run_case(model, method: str, settings: Settings) -> dict:
 def run_adopted(model, methods) -> dict:
     from icecache.generation import Session, prefill_once
 
-    loaded = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=None))
+    loaded = SimpleNamespace(model=model, tokenizer=SimpleNamespace(eos_token_id=None), end_ids=frozenset())
     pre = prefill_once(loaded, SETTINGS, prompt())
     out = {}
     for m in methods:

@@ -189,28 +189,24 @@ def test_automatic_prefill_and_positions_choice():
     assert (run.prefill, run.positions) == ("full", "true")
 
 
-@pytest.mark.parametrize("sparse,gap,keep,pages,spans", [
-    (False, 1, 0, "ordered", 0), (True, 1, 0, "ordered", 0), (True, 6, 0, "ordered", 0),
-    (True, 1, 150, "ordered", 0), (False, 1, 100_000, "ordered", 0), (True, 1, 0, "scaled", 0),
-    (False, 1, 64, "scaled", 0), (True, 1, 0, "spread", 0), (False, 1, 0, "scaled", 3),
-    (True, 1, 0, "spread", 2)])
-def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages, spans):
+@pytest.mark.parametrize("arch,sparse", [("llama3", False), ("llama3", True), ("gemma3", False), ("gemma3", True)])
+def test_remap_with_room_for_every_page_equals_full(arch, sparse):
     """Pages placed in token order just beyond the window and the sink just before them are the
     true positions when every page is loaded: remapped ice then decodes exactly like full
-    attention, through a (sparse) prefill and window evictions (whatever ``remap_gap``: no row
-    is then more than one token from the next, and whatever ``remap_keep``)."""
+    attention, through a (sparse) prefill and window evictions. Gemma 3's shape: window layers
+    (left at their true positions) and a global layer with its own RoPE base (remapped)."""
     import numpy as np
 
     from icecache.config import Settings
     from icecache.methods import make_cache
+    from tests.test_ice_cache import tiny_model
 
-    model = llama(ROPES["llama3"])
+    model = llama(ROPES["llama3"]) if arch == "llama3" else tiny_model("gemma3", 1)
     rng = np.random.default_rng(6)
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
     s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
-                 prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000,
-                 remap_gap=gap, remap_keep=keep, remap_pages=pages, answer_spans=spans)
+                 prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000)
     out = {}
     for method, positions in (("full", "true"), ("ice", "remap")):
         prefill = "full" if method == "full" else s.prefill
@@ -228,7 +224,7 @@ def test_remap_with_room_for_every_page_equals_full(sparse, gap, keep, pages, sp
         out[method] = logits
         if method == "ice":
             assert cache.remap is not None and cache.ice_layers()[0].store.rows > 200
-            assert all((layer.passages is not None and layer.passages.pinned is not None) == (spans > 0) for layer in cache.ice_layers())
+            assert not any(layer.passages is not None and layer.passages.pinned is not None for layer in cache.ice_layers())
     for a, b in zip(out["full"], out["ice"], strict=True):
         torch.testing.assert_close(b, a, atol=3e-4, rtol=1e-4)
 
@@ -288,9 +284,8 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     s.decode(logits, 3)
     decoded = [pages for layer, _, pages in asked if layer == first][len(mine):]
     assert decoded and decoded == [64 // 16] * len(decoded)  # generated tokens: the budget
-    # the answer's first answer_search tokens search as the tail does, the later ones with the beam
-    assert [w for layer, _, w in wides if layer == first][len(mine):] == [
-        settings.tail_beam_frac if i < settings.answer_search else 0.0 for i in range(len(decoded))]
+    # the answer's tokens search with the decode beam
+    assert [w for layer, _, w in wides if layer == first][len(mine):] == [0.0] * len(decoded)
     assert [f for layer, f in flags if layer == first][len(mine):] == [False] * len(decoded)
     held = Session(loaded, settings, "ice")
     held.new_tokens = 4
@@ -300,9 +295,8 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
         held.finish_prefill()
 
 
-@pytest.mark.parametrize("rope,gap,keep", [("default", 1, -1), ("llama3", 1, -1), ("default", 40, -1),
-                                           ("llama3", 7, -1), ("default", 1, 500), ("llama3", 3, 2000)])
-def test_placed_keys_decode_equals_the_region_reference(rope, gap, keep):
+@pytest.mark.parametrize("rope,keep", [("default", -1), ("llama3", -1), ("default", 500)])
+def test_placed_keys_decode_equals_the_region_reference(rope, keep):
     """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
     the fused attention with the query at its true position) equals the reference that rotates
     the query per region (remap_decode), with token-order offsets per head."""
@@ -325,7 +319,7 @@ def test_placed_keys_decode_equals_the_region_reference(rope, gap, keep):
     valid[:, s_cap : s_cap + P] = torch.rand(H, P) > 0.3
     valid[:, s_cap + P :] = True
     rows = torch.randperm(1000)[: H * P].reshape(H, P).numpy()  # host rows of the pool slots
-    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy(), gap, 999, keep)
+    offset, count = ordered_offsets(rows, valid[:, s_cap : s_cap + P].numpy(), 999, keep)
     q = model_rope(model, torch.randn(H * G, 1, d), torch.tensor([pos]))[:, 0].reshape(H, G, d)
     placed = place_keys(frame, k, s, s_cap, s_cap + P, pos - D, offset, count)
     got = paged_decode_sdpa(q, placed, v, valid, 0.125)
@@ -338,54 +332,50 @@ def test_placed_keys_decode_equals_the_region_reference(rope, gap, keep):
     assert torch.equal(placed[:, s_cap + P :], k[:, s_cap + P :])  # the window untouched
 
 
-def test_ordered_offsets_keep_short_gaps_and_cap_long_ones():
-    """Rows in token order: 1 packs them one position apart; a gap g keeps distances up to g
-    and caps longer ones at g; invalid rows lie past the valid rows' span; the span bounds the
-    sink's place. Against a plain loop."""
+def test_ordered_offsets_pack_rows_one_apart():
+    """Rows in token order, one position apart; invalid rows lie past the valid rows' span; the
+    span bounds the sink's place. Against a plain loop."""
     import numpy as np
 
     from icecache.cache.positions import ordered_offsets
 
     rng = np.random.default_rng(3)
-    for gap in (1, 2, 8, 100):
-        for _ in range(50):
-            H, n = int(rng.integers(1, 4)), int(rng.integers(1, 30))
-            rows = np.stack([rng.permutation(400)[:n] for _ in range(H)])
-            valid = rng.random((H, n)) < 0.7
-            offset, span = ordered_offsets(rows, valid, gap)
-            for h in range(H):
-                live = sorted((rows[h, i], i) for i in range(n) if valid[h, i])
-                want, at = {}, 0
-                for j in range(len(live) - 1, -1, -1):
-                    want[live[j][1]] = at
-                    if j:
-                        at += min(live[j][0] - live[j - 1][0], gap)
-                assert {i: int(offset[h, i]) for i in want} == want
-                assert int(span[h]) == (max(want.values()) + 1 if want else 0)
-                assert all(int(offset[h, i]) >= int(span[h]) for i in range(n) if not valid[h, i])
+    for _ in range(50):
+        H, n = int(rng.integers(1, 4)), int(rng.integers(1, 30))
+        rows = np.stack([rng.permutation(400)[:n] for _ in range(H)])
+        valid = rng.random((H, n)) < 0.7
+        offset, span = ordered_offsets(rows, valid)
+        for h in range(H):
+            live = sorted((rows[h, i], i) for i in range(n) if valid[h, i])
+            want, at = {}, 0
+            for j in range(len(live) - 1, -1, -1):
+                want[live[j][1]] = at
+                if j:
+                    at += min(live[j][0] - live[j - 1][0], 1)
+            assert {i: int(offset[h, i]) for i in want} == want
+            assert int(span[h]) == (max(want.values()) + 1 if want else 0)
+            assert all(int(offset[h, i]) >= int(span[h]) for i in range(n) if not valid[h, i])
     rows, valid = np.array([[10, 3, 4, 50, 11]]), np.ones((1, 5), bool)
-    assert ordered_offsets(rows, valid, 1)[0].tolist() == [[2, 4, 3, 0, 1]]
-    assert ordered_offsets(rows, valid, 8)[0].tolist() == [[9, 16, 15, 0, 8]]
+    assert ordered_offsets(rows, valid)[0].tolist() == [[2, 4, 3, 0, 1]]
 
 
 def test_ordered_offsets_kernel_equals_the_numpy_reference():
     """The numba offsets (what the decode step uses) equal the NumPy reference exactly, invalid
-    rows' offsets included, over gaps, keeps and tops."""
+    rows' offsets included, over keeps and tops."""
     import numpy as np
 
     from icecache.cache.positions import ordered_offsets, ordered_offsets_reference
 
     rng = np.random.default_rng(6)
-    for gap in (1, 4, 1000):
-        for top, keep in ((0, -1), (399, -1), (399, 0), (399, 37), (399, 399), (200, 500), (-1, -1)):
-            for _ in range(25):
-                H, n = int(rng.integers(1, 4)), int(rng.integers(1, 40))
-                rows = np.stack([rng.permutation(400)[:n] for _ in range(H)]).reshape(H, n)
-                valid = rng.random((H, n)) < rng.random()
-                got, want = ordered_offsets(rows, valid, gap, top, keep), ordered_offsets_reference(rows, valid, gap, top, keep)
-                for a, b in zip(got, want, strict=True):
-                    assert a.dtype == b.dtype == torch.int64
-                    assert torch.equal(a, b), (gap, top, keep, rows, valid)
+    for top, keep in ((0, -1), (399, -1), (399, 0), (399, 37), (399, 399), (200, 500), (-1, -1)):
+        for _ in range(25):
+            H, n = int(rng.integers(1, 4)), int(rng.integers(1, 40))
+            rows = np.stack([rng.permutation(400)[:n] for _ in range(H)]).reshape(H, n)
+            valid = rng.random((H, n)) < rng.random()
+            got, want = ordered_offsets(rows, valid, top, keep), ordered_offsets_reference(rows, valid, top, keep)
+            for a, b in zip(got, want, strict=True):
+                assert a.dtype == b.dtype == torch.int64
+                assert torch.equal(a, b), (top, keep, rows, valid)
 
 
 @pytest.mark.parametrize("rope", ["default", "llama3"])
@@ -405,7 +395,8 @@ def test_place_keys_kernel_equals_the_torch_reference(rope):
             k = torch.randn(H, s_cap + P + W, d)
             valid = rng.random((H, P)) < 0.8
             rows = np.stack([rng.permutation(5000)[:P] for _ in range(H)])
-            offset, count = ordered_offsets(rows, valid, int(rng.integers(1, 50)))
+            # rows within a random keep of the last at their true (far) offsets, the rest packed
+            offset, count = ordered_offsets(rows, valid, 4999, int(rng.integers(-1, 5000)))
             pages_at = int(rng.integers(5000, 90_000))
             fast = place_keys(fr, k, 4, s_cap, s_cap + P, pages_at, offset, count)
             ref = place_keys(fr, k, 4, s_cap, s_cap + P, pages_at, offset, count, fast=False)
@@ -416,41 +407,40 @@ def test_place_keys_kernel_equals_the_torch_reference(rope):
 
 def test_ordered_offsets_keep_the_near_rows_true():
     """With ``keep``: rows at most ``keep`` before row ``top`` sit at their true offset
-    ``top - row``, the farther ones follow the farthest kept row as ``gap`` says (the nearest row
-    at 0 when none is kept); a keep reaching row 0 puts the span (the sink's place) at ``top + 1``,
-    the sink's true place. Against a plain loop."""
+    ``top - row``, the farther ones follow the farthest kept row one position apart (the nearest
+    row at 0 when none is kept); a keep reaching row 0 puts the span (the sink's place) at
+    ``top + 1``, the sink's true place. Against a plain loop."""
     import numpy as np
 
     from icecache.cache.positions import ordered_offsets
 
     rng = np.random.default_rng(4)
-    for gap in (1, 3, 50):
-        for keep in (-1, 0, 5, 40, 399, 500):
-            for _ in range(30):
-                H, n, top = int(rng.integers(1, 4)), int(rng.integers(1, 30)), 399
-                rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
-                valid = rng.random((H, n)) < 0.7
-                offset, span = ordered_offsets(rows, valid, gap, top, keep)
-                for h in range(H):
-                    live = sorted(((rows[h, i], i) for i in range(n) if valid[h, i]), reverse=True)
-                    want, at, prev = {}, None, None
-                    for row, i in live:  # nearest first
-                        if top - row <= keep:
-                            at = top - row
-                        elif at is None:
-                            at = 0
-                        else:
-                            at += min(prev - row, gap)
-                        want[i], prev = at, row
-                    assert {i: int(offset[h, i]) for i in want} == want, (gap, keep)
-                    if keep >= top:
-                        assert int(span[h]) == top + 1
+    for keep in (-1, 0, 5, 40, 399, 500):
+        for _ in range(30):
+            H, n, top = int(rng.integers(1, 4)), int(rng.integers(1, 30)), 399
+            rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
+            valid = rng.random((H, n)) < 0.7
+            offset, span = ordered_offsets(rows, valid, top, keep)
+            for h in range(H):
+                live = sorted(((rows[h, i], i) for i in range(n) if valid[h, i]), reverse=True)
+                want, at, prev = {}, None, None
+                for row, i in live:  # nearest first
+                    if top - row <= keep:
+                        at = top - row
+                    elif at is None:
+                        at = 0
                     else:
-                        assert int(span[h]) == (max(want.values()) + 1 if want else 0)
+                        at += min(prev - row, 1)
+                    want[i], prev = at, row
+                assert {i: int(offset[h, i]) for i in want} == want, keep
+                if keep >= top:
+                    assert int(span[h]) == top + 1
+                else:
+                    assert int(span[h]) == (max(want.values()) + 1 if want else 0)
     rows, valid = np.array([[10, 3, 4, 50, 11]]), np.ones((1, 5), bool)
     # top 60, keep 50: rows 50, 11, 10 at their true offsets 10, 49, 50; rows 4 and 3 after them
-    assert ordered_offsets(rows, valid, 1, 60, 50)[0].tolist() == [[50, 52, 51, 10, 49]]
-    assert ordered_offsets(rows, valid, 1, 60, 0)[0].tolist() == ordered_offsets(rows, valid, 1)[0].tolist()
+    assert ordered_offsets(rows, valid, 60, 50)[0].tolist() == [[50, 52, 51, 10, 49]]
+    assert ordered_offsets(rows, valid, 60, 0)[0].tolist() == ordered_offsets(rows, valid)[0].tolist()
 
 
 @pytest.mark.parametrize("rope", ["default", "llama3"])
@@ -474,7 +464,7 @@ def test_placed_keys_keep_near_rows_at_their_true_positions(rope):
     valid = torch.rand(H, P) > 0.2
     rows = torch.stack([torch.randperm(top + 1)[:P] for _ in range(H)]).numpy()
     for keep in (300, 10_000):
-        offset, count = ordered_offsets(rows, valid.numpy(), 1, top, keep)
+        offset, count = ordered_offsets(rows, valid.numpy(), top, keep)
         placed = place_keys(frame, k, s, s_cap, s_cap + P, pages_at, offset, count)
         checked = 0
         for h in range(H):
@@ -489,71 +479,6 @@ def test_placed_keys_keep_near_rows_at_their_true_positions(rope):
             torch.testing.assert_close(placed[:, :s], k[:, :s], atol=2e-5, rtol=1e-4)
         else:  # the sink is placed just beyond the farthest row, not at its own positions
             assert not torch.allclose(placed[:, :s], k[:, :s], atol=1e-3)
-
-
-def test_scaled_offsets_group_far_rows_into_the_room():
-    """``scaled``: rows within keep of ``top`` at their true offset, farther ones at keep +
-    (t - keep) // G with the smallest whole G that brings row 0 within ``room``; G = 1 (every row
-    and the sink at their true places) while the document fits. Against a plain loop."""
-    import numpy as np
-
-    from icecache.cache.positions import scaled_offsets
-
-    rng = np.random.default_rng(2)
-    for top, keep, room in [(300, 0, 500), (300, 50, 300), (5000, 0, 1000), (5000, 200, 1000),
-                            (5000, 900, 1000), (100_000, 2048, 7000), (12, 4, 7)]:
-        H, n = 3, min(40, top + 1)
-        rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
-        valid = rng.random((H, n)) < 0.8
-        offset, span = scaled_offsets(rows, valid, top, keep, room)
-        k = min(keep, room // 2)
-        g = 1
-        while top > room and k + (top - k) // g > room:
-            g += 1
-        for h in range(H):
-            for i in range(n):
-                if valid[h, i]:
-                    t = top - rows[h, i]
-                    assert int(offset[h, i]) == (t if t <= k else k + (t - k) // g)
-        want_span = (top if top <= k else k + (top - k) // g) + 1
-        assert span.tolist() == [want_span] * H and want_span <= room + 1
-        if top <= room:
-            assert g == 1 and want_span == top + 1  # the true places, the sink's too
-        if g > 1:  # the smallest factor: one less would not fit
-            assert k + (top - k) // (g - 1) > room
-
-
-def test_spread_offsets_keep_every_row_its_own_place_in_order():
-    """``spread``: going back in token order each row takes its wanted offset (true within keep,
-    divided by G beyond) or one past the previous row if that is more; the span fits ``room``;
-    G = 1 gives the true places while the document fits. Against a plain loop."""
-    import numpy as np
-
-    from icecache.cache.positions import spread_offsets
-
-    rng = np.random.default_rng(9)
-    for top, keep, room in [(300, 0, 500), (5000, 0, 1000), (5000, 200, 1000), (100_000, 2048, 7000),
-                            (60, 4, 50)]:  # (room > rows: one position each fits)
-        H, n = 3, min(40, top + 1)
-        rows = np.stack([rng.permutation(top + 1)[:n] for _ in range(H)])
-        valid = rng.random((H, n)) < 0.8
-        offset, span = spread_offsets(rows, valid, top, keep, room)
-        r = max(1, room - n)
-        k = min(keep, r // 2)
-        g = 1
-        while top > r and k + (top - k) // g > r:
-            g += 1
-        for h in range(H):
-            at = -1
-            for row, i in sorted(((rows[h, i], i) for i in range(n) if valid[h, i]), reverse=True):
-                t = top - row
-                want = t if t <= k else k + (t - k + g // 2) // g
-                at = max(want, at + 1)
-                assert int(offset[h, i]) == at
-            assert int(span[h]) >= at + 1 and int(span[h]) <= room + 1
-        if top <= r:
-            assert g == 1 and span.tolist() == [top + 1] * H
-            assert all(int(offset[h, i]) == top - rows[h, i] for h in range(H) for i in range(n) if valid[h, i])
 
 
 def test_remapped_prompt_within_sink_and_window_then_decode():
@@ -677,7 +602,7 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
     top = pages_at - r.sink_fill
     room = frame.trained - (layer.length - pages_at) - r.sink_fill
     offset, count = ordered_offsets(with_gap(G, lambda: placing_order(r, layer.remap, passages, pool_valid)), pool_valid,
-                                    base.gap_for(r.window_at - r.pool_at), top, -1)
+                                    top, -1)
     anchors = list(votes.anchors)
     votes.anchors = [3] + anchors
     try:
@@ -688,6 +613,6 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
     passages.load = (ids, table, rows)
     # cut to the room: nothing placed beyond the trained context
     offset, count = ordered_offsets(with_gap(10**6, lambda: placing_order(r, layer.remap, passages, pool_valid)), pool_valid,
-                                    base.gap_for(r.window_at - r.pool_at), top, -1)
+                                    top, -1)
     moved, spanned = with_gap(10**6, lambda: behind_pinned(offset, count, pool_valid, room, r, layer.remap, passages))
     assert int(moved[torch.from_numpy(pool_valid)].max()) < room and int(spanned.max()) <= room

@@ -87,9 +87,8 @@ def test_prefill_finalizes_at_end_of_prefill_and_decodes_like_full():
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("arch,kv_heads,reuse,pick", [("llama", 2, 1, 0), ("llama", 2, 2, 0), ("qwen2", 1, 1, 0),
-                                                     ("llama", 2, 1, 4)])
-def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reuse, pick):
+@pytest.mark.parametrize("arch,kv_heads,reuse", [("llama", 2, 1), ("llama", 2, 2), ("qwen2", 1, 1)])
+def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reuse):
     """Each chunk selects pages; with room for every page and a dense window over the whole
     prompt, sparse prefill computes what full attention computes, through decode evictions."""
     model = tiny_model(arch, kv_heads)
@@ -97,7 +96,7 @@ def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reu
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
     ref = chunked(model, full_cache(model), prompt, forced, chunk=64)
     s = dataclasses.replace(spec(budget_pages=256), sparse_prefill=True, prefill_pages=256,
-                            chunk_tokens=64, dense_window=4096, token_pick=pick)
+                            chunk_tokens=64, dense_window=4096)
     s = dataclasses.replace(s, index=dataclasses.replace(s.index, beam=100_000))
     cache = ice(model, s, reuse=reuse)
     got = chunked(model, cache, prompt, forced, chunk=64)
@@ -246,10 +245,10 @@ def test_sparse_prefill_context_limit_and_warning(cpu_settings, loaded):
 LOW = 16  # the smaller budget the forks take
 
 
-@pytest.mark.parametrize("method,positions,pick,spans", [
-    ("ice", "true", 0, 0), ("ice", "remap", 0, 0), ("ice", "remap", 4, 0), ("ice", "remap", 0, 3),
-    pytest.param("ice-reuse", "true", 0, 0, marks=pytest.mark.slow)])
-def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions, pick, spans):
+@pytest.mark.parametrize("method,positions,spans", [
+    ("ice", "true", 0), ("ice", "remap", 0), ("ice", "remap", 3),
+    pytest.param("ice-reuse", "true", 0, marks=pytest.mark.slow)])
+def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions, spans):
     """One sparse prefill, forked to other budgets (what eval does per case): each fork's greedy
     tokens equal those of a session that prefilled with that budget itself, and the forks do not
     disturb the prefilled session or each other."""
@@ -264,7 +263,7 @@ def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loade
     # and 128 did with projection pages, not with the cpu profile's similar pages);
     # spans 3: the cpu profile's window and passages (there the two budgets give the same tokens)
     base = cpu_settings.replace(chunk_size=256, prefill="sparse", prefill_budget=256, dense_window=512,
-                                positions=positions, token_pick=pick, prefill_queries=4,
+                                positions=positions, prefill_queries=4,
                                 window_pages=8 if spans else 2, answer_spans=spans)
     steps = 12
     want = {}
@@ -328,7 +327,7 @@ def test_a_finished_cache_is_freed_once_the_session_lets_go():
     from .test_pinned import SETTINGS
     from .test_pinned import tiny_model as pinned_model
 
-    loaded = SimpleNamespace(model=pinned_model(), tokenizer=SimpleNamespace(eos_token_id=None))
+    loaded = SimpleNamespace(model=pinned_model(), tokenizer=SimpleNamespace(eos_token_id=None), end_ids=frozenset())
     rng = np.random.default_rng(5)
     for prefill in ("full", "sparse"):
         session = Session(loaded, SETTINGS.replace(prefill=prefill), "ice")

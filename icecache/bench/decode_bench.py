@@ -170,9 +170,6 @@ class DecodeTimer:
 
     def __init__(self, session, logits, prefill_s: float, warmup: int = 2, on_step=None,
                  planned: int = 0, linears: bool = False):
-        # the first answer_search generated tokens search every key (an answer's start pays it
-        # once): the timed steps come after them, at the cost of the rest of an answer
-        warmup = max(warmup, session.settings.answer_search)
         self.session, self.prefill_s, self.warmup = session, prefill_s, warmup
         self.linears = linears  # also time the linear layers (LinearClock) in the timed steps
         self.linears_s = 0.0

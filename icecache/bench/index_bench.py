@@ -27,9 +27,9 @@ from .warm import warm_tree
 # merged as the cache merges). The yardsticks are skipped above ``GROUPINGS_MAX`` keys (k-means
 # costs keys x clusters per iteration). ``oracle_gqa``: the tree's pages of largest exact
 # attention mass summed over the group's queries, one budget per KV head: the most any GQA merge
-# of these pages can hold (the ceiling of ``ice_gqa``). ``ice_pickM``: the cache's selection with
-# ``token_pick`` M (the budget's best tokens, by the group's summed softmax weights, among M x
-# the budget in merged pages); ``exact_gqa``: the same rule over every key (its ceiling).
+# of these pages can hold (the ceiling of ``ice_gqa``). ``ice_pickM``: a token-level choice, the
+# budget's best tokens (by the group's summed softmax weights) among M x the budget in merged
+# pages; ``exact_gqa``: the same rule over every key (its ceiling).
 METHODS = ("ice", "oracle_pages", "kmeans_pages", "parent_pages", "exact_topk", "quest", "sink_window",
            "ice_gqa", "oracle_gqa", "kmeans_gqa", "exact_gqa")
 GROUPINGS_MAX = 40_000
@@ -95,7 +95,7 @@ def _mass(p: np.ndarray, fixed: np.ndarray, chosen: np.ndarray) -> float:
 def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page_size: int,
               sink_pages: int, window_pages: int, cfg: IndexConfig, picks: tuple[int, ...] = ()) -> None:
     """keys (kv_heads, n, d), queries (heads, steps, d) of one layer; ``picks``: the
-    ``token_pick`` multiples measured beside the pages (``ice_pickM``)."""
+    multiples M of the token picks measured beside the pages (``ice_pickM``)."""
     from icecache.cache.selectors.dci import picked
 
     kv_heads, n, d = keys.shape

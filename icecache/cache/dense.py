@@ -16,13 +16,12 @@ dense cache, the keys scored by numba on CPU) behind :func:`dense_attention`, an
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .chunked import prefix_causal, sdpa_forward
+from .window import WindowLayer
 
 
 class GrowingLayer(DynamicLayer):
@@ -157,10 +156,12 @@ class GrowingLayer(DynamicLayer):
 
 
 class DenseCache(Cache):
-    """Every layer a :class:`GrowingLayer`: full attention without the per-step concatenation."""
+    """Every layer a :class:`GrowingLayer`: full attention without the per-step concatenation (a
+    model's sliding-window layers: their window, :class:`~.window.WindowLayer`)."""
 
-    def __init__(self, num_layers: int, decode_dtype: torch.dtype | None = None):
-        super().__init__(layers=[GrowingLayer(decode_dtype) for _ in range(num_layers)])
+    def __init__(self, num_layers: int, decode_dtype: torch.dtype | None = None, windows: list[int] | None = None):
+        super().__init__(layers=[WindowLayer(windows[i]) if windows and windows[i] else GrowingLayer(decode_dtype)
+                                 for i in range(num_layers)])
 
     def device_kv_bytes(self) -> int:
         return sum(layer.device_bytes() for layer in self.layers)
@@ -182,8 +183,7 @@ def native_bf16() -> bool:
     return False
 
 
-DENSE_KERNEL = os.environ.get("ICECACHE_DENSE_KERNEL", "1") != "0"
-DENSE_KERNEL_MIN = 4096  # shorter caches: the products below (no hand-off to numba's threads)
+DENSE_KERNEL_MIN = 4096  # shorter caches: dense_decode_reference's products (no hand-off to numba's threads)
 
 
 def _rows_buffer(t: torch.Tensor):
@@ -197,7 +197,6 @@ def _rows_buffer(t: torch.Tensor):
 
 
 HALF_VALUES_PER_HEAD = 65536  # longer caches: the value product head by head (2x faster at 131k)
-HALF_NUMBA = os.environ.get("ICECACHE_HALF_NUMBA", "1") != "0"
 HALF_ROWS = 256  # a 16-bit decode reads rows in multiples of this (see _half_decode)
 
 
@@ -219,9 +218,9 @@ def _half_decode(q, k, v, scaling, clamp=None):
     (within the buffer's capacity, whose unused rows a growing layer keeps at zero), the extra
     rows' scores set to -inf. The scores come from numba's :func:`~.kernels.half_scores`
     (bfloat16 widened by a shift, the query in float32: torch's bfloat16 scores took 52 us a head
-    at 4k in the model, slower than float32's), else from torch, keys x query per head (on such
-    views 4x faster than query x keys^T, which copies the keys). Softmax in float32; the value
-    product in torch's bfloat16."""
+    at 4k in the model, slower than float32's), or, for keys it cannot read in place, from torch,
+    keys x query per head (on such views 4x faster than query x keys^T, which copies the keys).
+    Softmax in float32; the value product in torch's bfloat16."""
     H, G, d = q.shape
     T = k.shape[1]
     sh, sr, _ = k.stride()
@@ -229,7 +228,7 @@ def _half_decode(q, k, v, scaling, clamp=None):
     if padded > T and v.stride() == k.stride():
         k = torch.as_strided(k, (H, padded, d), k.stride())
         v = torch.as_strided(v, (H, padded, d), v.stride())
-    bits = _rows_buffer(k[:, :T].view(torch.int16)) if HALF_NUMBA and k.dtype == torch.bfloat16 else None
+    bits = _rows_buffer(k[:, :T].view(torch.int16)) if k.dtype == torch.bfloat16 else None
     if bits is not None:
         from .kernels import half_scores
 
@@ -253,14 +252,16 @@ def dense_decode(query, key, value, scaling, clamp=None):
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
     every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`.
-    ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`)."""
+    ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`). Float32 caches
+    of at least ``DENSE_KERNEL_MIN`` rows on the CPU have numba score the keys; the others (and
+    the reference of that path) take :func:`dense_decode_reference`'s matrix products."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
     if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
         return _half_decode(q, key[0], value[0], scaling, clamp).to(query.dtype).reshape(1, 1, Hq, d)
-    if (DENSE_KERNEL and T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
+    if (T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
             and key.dtype == torch.float32 and query.dtype == torch.float32):
         k = _rows_buffer(key[0])
         if k is not None:  # numba scores the keys (see kernels.dense_scores); torch does the rest
@@ -271,6 +272,17 @@ def dense_decode(query, key, value, scaling, clamp=None):
             _clamp_scores(scores, clamp)
             probs = torch.softmax(scores.mul_(scaling), dim=-1)
             return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
+    return dense_decode_reference(query, key, value, scaling, clamp)
+
+
+def dense_decode_reference(query, key, value, scaling, clamp=None):
+    """:func:`dense_decode` by matrix products alone (no numba): each KV head's group of query
+    heads against its keys in one product. The path of short caches and of other devices or
+    dtypes, and the reference the numba scores are tested against. Same shapes as
+    :func:`dense_decode`, keys and values in the query's dtype."""
+    Hq, d = query.shape[1], query.shape[3]
+    H = key.shape[1]
+    q = query[0, :, 0].reshape(H, Hq // H, d)
     scores = torch.matmul(q, key[0].transpose(-1, -2)).float()  # (H, G, T)
     _clamp_scores(scores, clamp)
     probs = torch.softmax(scores.mul_(scaling), dim=-1).to(value.dtype)

@@ -1,7 +1,8 @@
 """The IceCache KV-cache manager inside transformers.
 
 :class:`IceCache` is a transformers ``Cache`` whose first ``dense_layers`` layers are ordinary
-dense layers (:class:`~.dense.GrowingLayer`) and whose other layers are
+dense layers (:class:`~.dense.GrowingLayer`), whose sliding-window layers (a model's own, such as
+Gemma 3's) keep their window only (:class:`~.window.WindowLayer`), and whose other layers are
 :class:`~.ice_layer.IceLayer`: sink and window resident, the rest of the keys and values in a host
 store, indexed by a page selector, and at each decode step the selected pages loaded into a
 fixed-size pool. ``ice-reuse``: every ``reuse_every``-th sparse layer is an anchor that selects;
@@ -27,13 +28,14 @@ from .ice_layer import IceLayer
 from .positions import Remap, RemapDenseLayer
 from .spans import SpanVotes
 from .spec import IceSpec, StepStats
+from .window import WindowLayer
 
 
 class IceCache(Cache):
     def __init__(self, num_layers: int, spec: IceSpec, dense_layers: int = 2,
                  reuse_every: int = 1, device: torch.device | str = "cpu", remap: Remap | None = None,
                  anchors: frozenset[int] | None = None, dense_kv: torch.dtype | None = None,
-                 clamp=None):
+                 clamp=None, windows: list[int] | None = None):
         self.spec = spec
         self.remap = remap  # positions remapped (positions.py); None: true positions
         self.backend = TorchBackend(device)
@@ -42,6 +44,9 @@ class IceCache(Cache):
         layers: list = []
         anchor = None
         for i in range(num_layers):
+            if windows and windows[i]:  # a sliding-window layer: its window only, at any length
+                layers.append(WindowLayer(windows[i]))
+                continue
             if i < dense_layers:
                 layers.append(GrowingLayer(dense_kv, clamp) if remap is None else
                               RemapDenseLayer(remap, spec.sink_tokens, spec.dense_window))
@@ -133,7 +138,7 @@ class IceCache(Cache):
             layer.release_index()
 
     def device_kv_bytes(self) -> int:
-        dense = sum(layer.device_bytes() for layer in self.layers if isinstance(layer, GrowingLayer))
+        dense = sum(layer.device_bytes() for layer in self.layers if isinstance(layer, (GrowingLayer, WindowLayer)))
         return dense + sum(layer.device_bytes() for layer in self.ice_layers())
 
     def host_kv_bytes(self) -> int:

@@ -65,7 +65,7 @@ class DecodeStep:
         # a prompt-end step searches (at least) tail_beam_frac of the keys: its pages decide the
         # first answer token (a 64k passkey's needle was missed by the narrower beam)
         tail = self.in_tail()
-        wide = self.spec.tail_beam_frac if tail or self.answering() else 0.0
+        wide = self.spec.tail_beam_frac if tail else 0.0
         chooser = query[:, 0]
         if self.remap is not None:  # pages sit just beyond the window; their query selects (the index is position-free)
             page_distance = r.window_fill  # the window holds this step's token too
@@ -121,12 +121,6 @@ class DecodeStep:
         """This step is a prompt token a sparse prefill steps through (its tail)."""
         pool = self.resident.pool_pages - self.resident.pinned_slots
         return self.length <= self.tail_end and pool >= self.spec.tail_pages
-
-    def answering(self) -> bool:
-        """This step is one of the first ``answer_steps`` generated tokens (the prompt's
-        length is known: announced, or where the first one-token step came)."""
-        at = self.answer_at
-        return bool(self.spec.answer_steps) and 0 < at < self.length <= at + self.spec.answer_steps
 
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads

@@ -1,6 +1,6 @@
 """numba kernels of the caches: plan one KV head's page loads for a decode step; score a
-decode step's queries over a long dense cache; token_pick's choice and packing; the remapped
-positions' offsets and key placement.
+decode step's queries over a long dense cache; a token choice (``icecache bench index``'s picks)
+and the packing of chosen tokens into pages; the remapped positions' offsets and key placement.
 
 The plain references are :func:`plan_head_reference` (NumPy, the same contract; the tests compare
 the two on random pool states), for :func:`dense_scores` the matrix product it replaces, and the
@@ -264,10 +264,10 @@ def _dot(a, b):
 
 @njit(nogil=True, cache=True)
 def pick_rows(PX, members, count, pages, queries, take, scale):
-    """``token_pick``'s choice for one KV head: the ``take`` members of the tree's ``pages``
-    (``PX``: the tree's page-major keys, the key in the first ``d`` columns) with the largest
-    group weight (each query's softmax over the candidates, summed over the group's
-    ``queries`` (G, d)), in candidate order; all candidates when they fit.
+    """A token choice for one KV head (``icecache bench index --pick``'s ``ice_pickM``): the
+    ``take`` members of the tree's ``pages`` (``PX``: the tree's page-major keys, the key in the
+    first ``d`` columns) with the largest group weight (each query's softmax over the candidates,
+    summed over the group's ``queries`` (G, d)), in candidate order; all candidates when they fit.
     Reference: :func:`icecache.cache.selectors.dci.pick_tokens`."""
     G, d = queries.shape
     n = 0
@@ -386,7 +386,7 @@ def choose_tokens(members, count, version, tokens):
 
 
 @njit(nogil=True, cache=True)
-def ordered_offsets_nb(rows, valid, gap, top, keep):
+def ordered_offsets_nb(rows, valid, top, keep):
     """:func:`icecache.cache.positions.ordered_offsets` (its NumPy version is the reference,
     tested equal) in one pass per head: ``rows`` (H, n) int64 host rows of the pool slots,
     ``valid`` (H, n) bool -> (offset (H, n), span (H,)) int64."""
@@ -415,7 +415,7 @@ def ordered_offsets_nb(rows, valid, gap, top, keep):
             elif a <= top and top - a <= keep:
                 step = b - a  # kept rows: their true distance
             else:
-                step = min(b - a, gap)
+                step = min(b - a, 1)
             after[j] = after[j + 1] + step
         last = key[order[n - 1]]
         add = top - last if (last >= 0 and last <= top and top - last <= keep) else 0

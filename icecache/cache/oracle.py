@@ -22,6 +22,7 @@ from transformers.cache_utils import Cache
 from . import current
 from .chunked import sdpa_forward
 from .dense import GrowingLayer
+from .window import WindowLayer
 
 
 @dataclass(frozen=True)
@@ -52,10 +53,12 @@ class OracleSpec:
 
 
 class OracleCache(Cache):
-    """Dense growing layers carrying the oracle's spec for its attention."""
+    """Dense growing layers carrying the oracle's spec for its attention (a model's sliding-window
+    layers: their window, attended in full)."""
 
-    def __init__(self, num_layers: int, spec: OracleSpec):
-        super().__init__(layers=[GrowingLayer() for _ in range(num_layers)])
+    def __init__(self, num_layers: int, spec: OracleSpec, windows: list[int] | None = None):
+        super().__init__(layers=[WindowLayer(windows[i]) if windows and windows[i] else GrowingLayer()
+                                 for i in range(num_layers)])
         self.spec = spec
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -71,7 +74,9 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
 
     cache = current.current()
     spec = cache.spec if isinstance(cache, OracleCache) else OracleSpec()
-    if query.shape[2] != 1 or getattr(module, "layer_idx", 0) < spec.dense_layers:
+    layer_idx = getattr(module, "layer_idx", 0)
+    window = isinstance(cache, OracleCache) and isinstance(cache.layers[layer_idx], WindowLayer)
+    if query.shape[2] != 1 or layer_idx < spec.dense_layers or window:
         return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
                             dropout=dropout, **kwargs)
     B, Hq, _, d = query.shape

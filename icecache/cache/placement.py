@@ -2,9 +2,8 @@
 
 The host store holds keys un-rotated (position-free). At a step, the pool's rows are placed to
 end just before the window, the sink just before them, and the keys rotated there once; the
-query stays at its true position. ``remap_pages`` decides the pool rows' offsets: ``ordered``
-(token order, packed ``gap`` apart, answer passages nearest the window), ``scaled`` / ``spread``
-(grouped distances that fit the trained context) or ``one`` (all at one distance).
+query stays at its true position. The pool rows go in token order, one position apart, the
+pinned answer passages nearest the window (:func:`placing_order`, ``remap_pin_gap``).
 """
 
 from __future__ import annotations
@@ -12,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .positions import Remap, ordered_offsets, place_keys, scaled_offsets, spread_offsets
+from .positions import Remap, ordered_offsets, place_keys
 from .resident import ResidentKV
 from .spans import AnswerPassages
 
@@ -20,29 +19,20 @@ from .spans import AnswerPassages
 def placed(k: torch.Tensor, r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length: int,
            pages_at: int) -> torch.Tensor:
     """A copy of the resident keys ``k`` of a layer holding ``length`` tokens, with the pool rows
-    (un-rotated) placed to end at ``pages_at`` (in token order, or all there) and the sink just
-    before them."""
-    heads = r.keys.shape[0]
+    (un-rotated) placed to end at ``pages_at`` (in token order) and the sink just before them."""
     valid = r.valid[:, r.pool_at : r.window_at]
     rows = r.window_at - r.pool_at
     top = pages_at - r.sink_fill  # the host row of the token at pages_at
     # positions beyond pages_at that the pool rows and the sink may take in the trained context
     room = remap.frame.trained - (length - pages_at) - r.sink_fill
     pinned = passages is not None and passages.pinned is not None
-    if remap.pages == "ordered":
-        gap = remap.gap_for(rows)
-        # rows near the window keep their true distance if the packed rest still fits
-        keep = min(remap.keep, room + 1 - rows * gap)
-        with_sink = passages.with_sink(remap.pin_gap) if pinned else None  # once for both calls
-        offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, gap, top, keep)
-        if remap.pin_gap and pinned:
-            offset, count = behind_pinned(offset, count, valid, room, r, remap, passages, with_sink)
-    elif remap.pages in ("scaled", "spread"):  # grouped distances that fit the trained context
-        rule = scaled_offsets if remap.pages == "scaled" else spread_offsets
-        offset, count = rule(r.pool_row, valid, top, remap.keep, room)
-    else:  # one position for all the pages
-        offset = torch.zeros(heads, rows, dtype=torch.int64)
-        count = torch.ones(heads, dtype=torch.int64)
+    # keep 0 (while the packed rows fit the room): a loaded row at host row ``top`` sits at its
+    # true offset, 0, and the step from it to the next row in order is their true distance
+    keep = min(0, room + 1 - rows)
+    with_sink = passages.with_sink(remap.pin_gap) if pinned else None  # once for both calls
+    offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, top, keep)
+    if remap.pin_gap and pinned:
+        offset, count = behind_pinned(offset, count, valid, room, r, remap, passages, with_sink)
     return place_keys(remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
 
 

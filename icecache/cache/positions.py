@@ -7,12 +7,7 @@ StreamingLLM's idea, on IceCache's pages):
 
 - the recent window (and a prefill chunk) at its true distance;
 - the rows brought back from the host store just beyond the window, per KV head in token order,
-  one position each (``pages: ordered``; ``one``: all at one distance, as InfLLM does); or
-  ``scaled``: rows within ``keep`` tokens of the window at their true distance, farther ones at
-  ``keep + (distance - keep) // G`` with the smallest whole ``G`` that fits the document in the
-  trained context (Self-Extend's grouped positions; ``G`` = 1, the true positions, while the
-  document fits); ``spread``: the same distances, but each row at least one position past the
-  one before it;
+  one position each (InfLLM puts them all at one distance);
 - the sink tokens at their own positions, just before those rows.
 
 With every page loaded these are the true positions: remapped ice then equals full attention.
@@ -60,18 +55,25 @@ class RopeFrame:
     @staticmethod
     def from_model(model) -> RopeFrame | None:
         """The frame of ``model``'s rotary embedding (None if it has none)."""
-        rot = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)),
-                   None)
+        # A model with one RoPE per layer kind (Gemma 3: window layers and global layers) keeps
+        # each kind's frequencies as "<kind>_inv_freq"; positions are remapped in the global
+        # (full-attention) layers only, so theirs is the frame.
+        prefix = ""
+        rot = next((m for m in model.modules() if isinstance(getattr(m, "inv_freq", None), torch.Tensor)), None)
+        if rot is None:
+            prefix = "full_attention_"
+            rot = next((m for m in model.modules()
+                        if isinstance(getattr(m, prefix + "inv_freq", None), torch.Tensor)), None)
         if rot is None:
             return None
         cfg = model.config
         params = getattr(cfg, "rope_parameters", None) or {}
         if "rope_type" not in params and isinstance(next(iter(params.values()), None), dict):
-            params = {}  # per-layer-type parameters: not handled here
+            params = params.get("full_attention", {})  # per-layer-type parameters: the global layers'
         rope_type = params.get("rope_type", getattr(rot, "rope_type", "default"))
         trained = int(params.get("original_max_position_embeddings") or cfg.max_position_embeddings)
-        inv = getattr(rot, "original_inv_freq", None) if rope_type == "dynamic" else None
-        inv = rot.inv_freq if inv is None else inv
+        inv = getattr(rot, prefix + "original_inv_freq", None) if rope_type == "dynamic" else None
+        inv = getattr(rot, prefix + "inv_freq") if inv is None else inv
         return RopeFrame(inv.detach().float().cpu().clone(), trained, rope_type)
 
     @property
@@ -161,26 +163,12 @@ class Remap:
     """The remap rule of an ice cache: distances for pages (``page_distance``) and sink."""
 
     frame: RopeFrame
-    page_distance: int  # where pages from the host store sit: just beyond the window
-    # "ordered": the loaded rows of a head in token order from page_distance on (one position
-    # each, the nearest first); "one": all at page_distance (InfLLM's single distance);
-    # "scaled": true distances within ``keep``, farther ones divided (:func:`scaled_offsets`);
-    # "spread": the same, each row one position at least past the previous (:func:`spread_offsets`)
-    pages: str = "ordered"
-    # "ordered": rows up to ``gap`` tokens apart keep their true distance, farther ones are put
-    # ``gap`` apart (:func:`ordered_offsets`; 1: every row one position after the previous)
-    gap: int = 1
-    # pool rows at most ``keep`` tokens beyond the window keep their true distance (0: none);
-    # the rows farther back follow them by the ``pages`` rule
-    keep: int = 0
-    # "ordered" with pinned answer passages: the other pool rows (and the sink) sit ``pin_gap``
-    # positions farther back than the passages, as far as the trained context allows
+    # where pages from the host store sit: just beyond the window, the loaded rows of a head in
+    # token order from there on (one position each, the nearest first; :func:`ordered_offsets`)
+    page_distance: int
+    # with pinned answer passages: the other pool rows (and the sink) sit ``pin_gap`` positions
+    # farther back than the passages, as far as the trained context allows
     pin_gap: int = 0
-
-    def gap_for(self, rows: int) -> int:
-        """The gap for ``rows`` pool rows of a head: ``gap``, or less so that their span stays
-        within half the trained context."""
-        return max(1, min(self.gap, self.frame.trained // 2 // max(1, rows)))
 
     def query_regions(self, q: torch.Tensor, pos: int, sink_distance, distance: int) -> torch.Tensor:
         """A decode step's query heads ``q`` (heads, G, d) at true position ``pos`` -> (3, heads,
@@ -236,41 +224,37 @@ def _table_rows(need: int, window_at: int) -> int:
     return window_at + 1 if need <= window_at + 1 else -(-need // 1024) * 1024
 
 
-def ordered_offsets(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_offsets(rows, valid, top: int = 0, keep: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`ordered_offsets_reference` by one numba pass per head
     (:func:`~.kernels.ordered_offsets_nb`)."""
     from .kernels import ordered_offsets_nb
 
     offset, span = ordered_offsets_nb(np.asarray(rows, np.int64), np.asarray(valid, np.bool_),
-                                      int(gap), int(top), int(keep))
+                                      int(top), int(keep))
     return torch.from_numpy(offset), torch.from_numpy(span)
 
 
-def ordered_offsets_reference(rows, valid, gap: int = 1, top: int = 0, keep: int = -1
-                              ) -> tuple[torch.Tensor, torch.Tensor]:
+def ordered_offsets_reference(rows, valid, top: int = 0, keep: int = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Pool rows in token order: ``rows`` (H, n) host-store rows of the pool slots (the store
     appends in token order, so rows order tokens), ``valid`` (H, n) bool (NumPy). Returns
     (offset (H, n): the row's distance before the head's latest valid row, which is at 0;
     positions the head's valid rows span (H,)).
 
-    ``gap`` caps the distance between two rows next to each other in token order: 1 packs the
-    rows one position apart whatever lies between them; ``g`` keeps rows up to ``g`` tokens
-    apart at their true distance and puts farther ones ``g`` apart (the span is at most ``g``
-    per row). Invalid rows get offsets past the span (they are masked).
+    Two rows next to each other in token order are one position apart, whatever lies between
+    them. Invalid rows get offsets past the span (they are masked).
 
     ``keep``: rows at most ``keep`` rows before host row ``top`` (the row whose offset 0 is its
-    true place) keep their true offset ``top - row``, and the rows beyond them follow as above
-    (-1: none kept, the nearest row at 0). If ``keep`` reaches past row 0 (the whole store
-    is kept), the span is ``top + 1``: the sink, placed just beyond it, is at its true positions
-    too."""
+    true place) keep their true offset ``top - row``, and the rows beyond them follow one
+    position apart (-1: none kept, the nearest row at 0). If ``keep`` reaches past row 0 (the
+    whole store is kept), the span is ``top + 1``: the sink, placed just beyond it, is at its
+    true positions too."""
     key = np.where(valid, rows, -1)
     order = np.argsort(key, axis=1, kind="stable")
     H, n = key.shape
     srt = np.take_along_axis(key, order, axis=1)  # invalid (-1) first, then rows ascending
     kept = (srt >= 0) & (srt <= top) & (top - srt <= keep)  # at their true offset
     diff = np.diff(srt, axis=1)
-    step = np.where(kept[:, :-1], diff, np.minimum(diff, gap))  # distance to the next row in token order
+    step = np.where(kept[:, :-1], diff, np.minimum(diff, 1))  # distance to the next row in token order
     step[srt[:, :-1] < 0] = 1  # from an invalid row: one position (they lie past the span)
     after = np.zeros((H, n), np.int64)  # distance of each sorted row before the last one
     if n > 1:
@@ -284,54 +268,6 @@ def ordered_offsets_reference(rows, valid, gap: int = 1, top: int = 0, keep: int
     if keep >= top >= 0:  # every row kept: the sink just beyond them is at its true place
         span[:] = top + 1
     return torch.from_numpy(offset), torch.from_numpy(span)
-
-
-def _grouping(top: int, keep: int, room: int) -> tuple[int, int]:
-    """(keep, G) of the grouped rules: ``keep`` at most half of ``room``, and the smallest whole
-    ``G`` with ``keep + (top - keep) // G <= room`` (1 while ``top`` fits)."""
-    room = max(1, room)
-    keep = max(0, min(keep, room // 2))
-    return keep, 1 if top <= room else (top - keep) // (room - keep + 1) + 1
-
-
-def scaled_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows at grouped distances: ``rows`` (H, n) host-store rows, ``valid`` (H, n) bool
-    (NumPy); row ``top`` is the one whose offset 0 is its true place. A row ``t = top - row``
-    before it sits at offset ``t`` if ``t <= keep``, else at ``keep + (t - keep) // G``, with the
-    smallest whole ``G`` that brings row 0 to an offset within ``room``. Returns (offset (H, n),
-    span (H,): row 0's offset + 1 for every head, where the sink goes just beyond, so that it
-    is grouped with the rest; with ``G`` = 1 every row and the sink are at their true places)."""
-    keep, group = _grouping(top, keep, room)
-    t = np.clip(top - np.where(valid, rows, top), 0, None)  # (an invalid row: at 0, masked)
-    offset = np.where(t <= keep, t, keep + (t - keep) // group)
-    last = top if top <= keep else keep + (top - keep) // group
-    span = np.full(len(rows), max(last, -1) + 1, np.int64)
-    return torch.from_numpy(offset.astype(np.int64)), torch.from_numpy(span)
-
-
-def spread_offsets(rows, valid, top: int, keep: int, room: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pool rows at distances in proportion to the true ones, each row its own position: a row
-    ``t = top - row`` before row ``top`` wants offset ``t`` if ``t <= keep``, else ``keep + (t -
-    keep) / G`` (rounded) with the smallest whole ``G`` that fits row 0 within ``room`` less one
-    position per row; going back in token order, each row takes the larger of that and one past
-    the previous row (so order and adjacency survive, unlike :func:`scaled_offsets`). Returns
-    (offset (H, n), span (H,): the farthest row's offset + 1 and at least row 0's wanted offset
-    + 1; G = 1 while the document fits: every row and the sink at their true places)."""
-    H, n = rows.shape
-    keep, group = _grouping(top, keep, room - n)
-    key = np.where(valid, rows, -1)
-    order = np.argsort(-key, axis=1, kind="stable")  # nearest first, invalid rows last
-    srt = np.take_along_axis(key, order, axis=1)
-    t = np.clip(top - srt, 0, None)
-    want = np.where(t <= keep, t, keep + (t - keep + group // 2) // group)
-    idx = np.arange(n)[None, :]
-    got = idx + np.maximum.accumulate(want - idx, axis=1)  # strictly increasing, at least wanted
-    got = np.where(srt >= 0, got, 0)  # (invalid rows: masked)
-    offset = np.empty_like(got)
-    np.put_along_axis(offset, order, got, axis=1)
-    last = top if top <= keep else keep + (top - keep + group // 2) // group
-    span = np.maximum(np.where(valid, offset, -1).max(axis=1, initial=-1), last) + 1
-    return torch.from_numpy(offset.astype(np.int64)), torch.from_numpy(span.astype(np.int64))
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,

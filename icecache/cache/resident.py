@@ -128,13 +128,23 @@ class ResidentKV:
         fill, version). ``pinned``: (page ids (int64), (members, count, version), host rows) of pages
         every head keeps in the last ``pinned_slots`` slots (a selected row that is also pinned
         is left out once). Returns (pages loaded, bytes moved).
+
+        One numba call (:func:`~.kernels.load_pool`) where it applies (:meth:`_one_call`), else
+        :meth:`load_reference`, the general path it is tested against.
         """
+        table = self._one_call(store)
+        if table is None:
+            return self.load_reference(selected, page_table, store, pinned)
+        pinned = NO_PINNED if pinned is None else pinned  # none chosen: the pinned slots are freed
+        return self._load_one_call(selected, page_table, store, pinned, self.pool_pages - self.pinned_slots, table)
+
+    def load_reference(self, selected: list[np.ndarray], page_table, store: HostStore,
+                       pinned: tuple[np.ndarray, tuple, np.ndarray] | None = None) -> tuple[int, int]:
+        """:meth:`load` by the general path, for any device and dtype: per-head plans
+        (:func:`~.kernels.plan_head`), then a torch gather and scatter of the rows."""
         S, P = self.page_size, self.pool_pages
         main = P - self.pinned_slots
         pinned = NO_PINNED if pinned is None else pinned  # none chosen: the pinned slots are freed
-        table = self._one_call(store)
-        if table is not None and not self.general_load:
-            return self._load_one_call(selected, page_table, store, pinned, main, table)
         want_pinned = pinned[0]
         pm, pc, pv = pinned[1]
         need = (sum(len(w) for w in selected) + self.heads * len(want_pinned)) * S
@@ -168,10 +178,6 @@ class ResidentKV:
                                            self.keys.view(-1, self.head_dim),
                                            self.values.view(-1, self.head_dim), torch.from_numpy(dst[:m]))
         return loaded, moved
-
-    # ``load`` through the general path (per-head plans, then a torch gather and scatter) even
-    # where :func:`~.kernels.load_pool` applies: the reference the tests compare it with
-    general_load = False
 
     def _one_call(self, store: HostStore) -> np.ndarray | None:
         """:func:`~.kernels.load_pool`'s widening table for this store when it can do this pool's

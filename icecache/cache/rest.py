@@ -11,8 +11,8 @@ of similar keys, which is what the tree's pages are). The loaded rows keep their
 :class:`RestPages` keeps, per KV head, each tree page's mean key, mean value and member count,
 read from the host store and brought up to date from the page versions the pool already compares
 (a page whose members changed is summed again). A step masks the pages loaded whole; rows
-resident otherwise (pinned passages, picked tokens) are subtracted from their tree page, so no
-token is counted twice.
+resident otherwise (pinned passages) are subtracted from their tree page, so no token is counted
+twice.
 
 Only with true positions: with remapped positions every page would sit at one distance just
 beyond the window, and the estimate of a 100k-token document's pages (thousands of rows there)
@@ -88,9 +88,8 @@ class RestPages:
         seen[changed] = version[changed]
 
     def rest_whole(self, npages: int, loaded: np.ndarray):
-        """The estimate rows when the pool holds whole tree pages only (no pinned passage, no
-        picked tokens): every page's cached mean, with the ``loaded`` pages (heads, slots; -1:
-        an empty slot) masked. One group, for :func:`~.paged.paged_decode_rest`."""
+        """The estimate rows when the pool holds whole tree pages only (no pinned passage): every
+        page's cached mean, with the ``loaded`` pages (heads, slots; -1: an empty slot) masked. One group, for :func:`~.paged.paged_decode_rest`."""
         bias = self.logc[:, : npages + 1].clone()  # column npages takes the empty slots
         at = torch.from_numpy(np.where(loaded >= 0, loaded, npages)).to(self.device)
         bias.scatter_(1, at, float("-inf"))
@@ -206,7 +205,7 @@ def step_rest(rest: RestPages, selector, resident, store: HostStore, pinned_rows
         rest.rows = store.rows
     npages, r = rest.npages, resident
     in_pool = r.valid[:, r.pool_at : r.window_at]
-    if not selector.picking and not general:
+    if not general:
         # the main slots hold whole tree pages at their current version (load planned so); a
         # slot is in use while any of its rows is (a row a pinned passage holds too is left out
         # of it); pinned passages, if any, in their own slots

@@ -33,10 +33,7 @@ class IceSpec:
     chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
-    token_pick: int = 0  # dci: select token_pick x the pages, load the best tokens among them (0: off)
-    search_every: int = 1  # dci: a decode step reuses the last search for up to this many steps
     carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
-    answer_steps: int = 0  # the first N generated tokens search tail_beam_frac of the keys (0: off)
     answer_spans: int = 0  # passages pinned for the answer after the prompt's end voted (0: off)
     # dci, true positions: each tree page not loaded attends as one row (mean key and value,
     # log(members) added to its score) (:mod:`.rest`)

@@ -32,7 +32,6 @@ class PageSelector:
     waits_for_queries = False  # needs the prompt's last queries before the prompt is offloaded
     budget_in_index = False  # its index holds a choice made for one budget (no IceCache.forked)
     estimates = False  # the attention weighs the chosen rows by :meth:`row_bias` (MagicPIG)
-    picking = False  # its pages hold chosen tokens, not whole index pages (dci's token_pick)
     has_tree = False  # :meth:`tree_pages` answers now (dci with its trees built: rest_estimate)
 
     def __init__(self, spec: IceSpec):

@@ -1,0 +1,99 @@
+"""A model's own sliding-window layers (Gemma 3's shape): every cache keeps their window only."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from icecache.cache.window import WindowLayer, window_sizes
+from icecache.methods import METHODS, make_cache
+from tests.test_ice_cache import tiny_model
+from tests.test_pinned import SETTINGS
+
+PROMPT = np.random.default_rng(3).integers(0, 97, 200).tolist()  # past the window of 24 tokens
+STEPS = 16
+
+
+@pytest.fixture(scope="module")
+def gemma():
+    return tiny_model("gemma3", 1)
+
+
+@torch.inference_mode()
+def run(model, method: str, settings) -> tuple[list[torch.Tensor], object]:
+    """The prompt in chunks, then ``STEPS`` greedy steps: each step's logits, and the cache."""
+    cache = make_cache(method, model, settings, len(PROMPT) + STEPS, len(PROMPT))
+    ice = getattr(cache, "begin_prefill", None) is not None
+    if ice:
+        cache.begin_prefill(len(PROMPT))
+    for lo in range(0, len(PROMPT), settings.chunk_size):
+        out = model(input_ids=torch.tensor([PROMPT[lo : lo + settings.chunk_size]]), past_key_values=cache,
+                    use_cache=True, logits_to_keep=1)
+    if ice:
+        cache.end_prefill()
+    logits = []
+    for _ in range(STEPS):
+        logits.append(out.logits[0, -1].clone())
+        t = int(torch.argmax(out.logits[0, -1]))
+        out = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+    return logits, cache
+
+
+def test_window_sizes_follow_transformers_layer_kinds():
+    import transformers as tf
+
+    cfg = tf.Gemma3TextConfig(num_hidden_layers=6, sliding_window=512,
+                              layer_types=["sliding_attention"] * 5 + ["full_attention"])
+    assert window_sizes(cfg, 6) == [512] * 5 + [0]
+    assert window_sizes(tf.LlamaConfig(num_hidden_layers=3), 3) == [0, 0, 0]
+    assert window_sizes(tf.MistralConfig(num_hidden_layers=2, sliding_window=4096), 2) == [4096, 4096]
+    assert window_sizes(tf.MistralConfig(num_hidden_layers=2, sliding_window=None), 2) == [0, 0]
+
+
+@pytest.mark.parametrize("method", list(METHODS))
+def test_every_method_keeps_the_window_layers_to_their_window(gemma, method):
+    """Each method runs the Gemma-3-shaped model past its window; the window layers hold less than
+    the window (transformers' own cut), the global layer is the method's. ``dense`` holds
+    everything in the global layer, so it decodes as ``full`` does."""
+    logits, cache = run(gemma, method, SETTINGS)
+    assert all(torch.isfinite(x).all() for x in logits)
+    kinds = [type(layer) for layer in cache.layers]
+    assert kinds[:3] == [type(cache.layers[0])] * 3
+    windows = cache.layers[:3]
+    assert all(layer.keys.shape[2] < 24 for layer in windows)
+    if method != "full":
+        assert all(isinstance(layer, WindowLayer) for layer in windows)
+        assert not isinstance(cache.layers[3], WindowLayer)
+        assert cache.device_kv_bytes() > 0
+    if method == "dense":
+        ref, _ = run(gemma, "full", SETTINGS)
+        for a, b in zip(ref, logits, strict=True):
+            torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("method", ["ice", "streaming", "quest"])
+def test_a_sparse_prefill_with_remapped_positions_runs_the_window_layers_as_they_are(gemma, method):
+    logits, cache = run(gemma, method, SETTINGS.replace(prefill="sparse", positions="remap"))
+    assert all(torch.isfinite(x).all() for x in logits)
+    assert cache.remap is not None and cache.remap.frame is not None
+    assert all(isinstance(layer, WindowLayer) and layer.keys.shape[2] < 24 for layer in cache.layers[:3])
+
+
+def test_the_memory_estimate_counts_a_window_layer_as_its_window():
+    import transformers as tf
+
+    from icecache.memory import need_bytes
+
+    kinds = (["sliding_attention"] * 5 + ["full_attention"]) * 3
+    shape = dict(num_hidden_layers=18, num_key_value_heads=1, head_dim=256)
+    windowed = tf.Gemma3TextConfig(**shape, sliding_window=512, layer_types=kinds)
+    s = SETTINGS.replace(chunk_size=2048)
+    per_token = 2 * 256 * 4  # keys and values of one layer and token, float32
+    for method in ("full", "dense", "ice"):
+        small, big = need_bytes(method, windowed, s, 32768).total, need_bytes(method, windowed, s, 65536).total
+        # doubling the context adds nothing for the 15 window layers: only the 3 global layers grow
+        # (full and dense: with a growing buffer's spare room and one layer's copy; ice: in the
+        # host store, float16)
+        grew = (big - small) / (3 * per_token * 32768)
+        assert (0.5 if method == "ice" else 1.0) < grew < 1.6
