@@ -146,8 +146,9 @@ class DocCache:
         return 0
 
     def load(self, ids, device) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
-        """The saved keys and values of prefix ``ids`` (per layer), or None (with a warning and the
-        entry removed when it exists but cannot be used)."""
+        """The saved keys and values of prefix ``ids`` (per layer; a sliding-window layer's last
+        rows only), or None (with a warning and the entry removed when it exists but cannot be
+        used)."""
         got = self.load_entry(ids, device, self._check_kv)
         if got is None:
             return None
@@ -157,7 +158,10 @@ class DocCache:
     @staticmethod
     def _check_kv(manifest: dict, tensors: dict, ids) -> None:
         kv = [(tensors[f"k.{i}"], tensors[f"v.{i}"]) for i in range(manifest["layers"])]
-        if any(k.shape[2] != len(ids) or v.shape[2] != len(ids) for k, v in kv):
+        windows = manifest.get("windows") or [0] * len(kv)
+        # a sliding-window layer holds the last window - 1 tokens (transformers' cut), others all
+        rows = [min(len(ids), w - 1) if w else len(ids) for w in windows]
+        if any(k.shape[2] != n or v.shape[2] != n for (k, v), n in zip(kv, rows, strict=True)):
             raise ValueError("its tensors hold another number of tokens")
 
     def load_entry(self, ids, device, check=None) -> tuple[dict, dict[str, torch.Tensor]] | None:
@@ -189,9 +193,11 @@ class DocCache:
         return manifest, tensors
 
     # -- saving ---------------------------------------------------------------------------------
-    def save(self, ids, kv: list[tuple[torch.Tensor, torch.Tensor]]) -> Path | None:
-        """Save prefix ``ids`` with its per-layer keys and values; the entry's folder, or None
-        (with a warning) when it could not be written. An entry already there is kept."""
+    def save(self, ids, kv: list[tuple[torch.Tensor, torch.Tensor]], windows: list[int] | None = None) -> Path | None:
+        """Save prefix ``ids`` with its per-layer keys and values (``windows``: each layer's
+        sliding window, 0 for a global layer; a window layer's keys are its last rows); the
+        entry's folder, or None (with a warning) when it could not be written. An entry already
+        there is kept."""
         def tensors():
             out = {}
             for i, (k, v) in enumerate(kv):
@@ -199,7 +205,7 @@ class DocCache:
                 out[f"v.{i}"] = v.detach().to("cpu").contiguous()
             return out
 
-        return self.save_entry(ids, tensors, {"layers": len(kv)})
+        return self.save_entry(ids, tensors, {"layers": len(kv), "windows": windows or [0] * len(kv)})
 
     def save_entry(self, ids, tensors: Callable[[], dict], extra: dict) -> Path | None:
         """Save prefix ``ids`` with the tensors ``tensors()`` gives and ``extra`` in the manifest."""

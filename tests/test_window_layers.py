@@ -97,3 +97,18 @@ def test_the_memory_estimate_counts_a_window_layer_as_its_window():
         # host store, float16)
         grew = (big - small) / (3 * per_token * 32768)
         assert (0.5 if method == "ice" else 1.0) < grew < 1.6
+
+
+@pytest.mark.parametrize("method", ["full", "ice", "quest"])
+def test_a_shared_prefill_adopted_with_window_layers_decodes_as_the_methods_own(gemma, method):
+    """The eval's path (one dense prefill, adopted by each method's cache) continues at the
+    prompt's true length in the window layers too, so it decodes as the method's own prefill."""
+    from types import SimpleNamespace
+
+    from icecache.generation import Session, prefill_once
+
+    loaded = SimpleNamespace(model=gemma, tokenizer=SimpleNamespace(eos_token_id=None), end_ids=frozenset())
+    own, _ = Session(loaded, SETTINGS, method).generate(PROMPT, STEPS)
+    pre = prefill_once(loaded, SETTINGS, PROMPT)
+    adopted, _ = Session(loaded, SETTINGS, method).generate_from(pre, STEPS)
+    assert adopted == own
