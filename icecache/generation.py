@@ -209,8 +209,8 @@ class Session:
         return make_cache(self.method, self.loaded.model, self.run_settings, self._run_tokens, prompt_tokens)
 
     def activate(self) -> None:
-        """Make the shared model ours again (our method's attention and our run's RoPE),
-        after another session stepped in between (benchmarks interleave sessions)."""
+        """Set the shared model back to this Session's method (its attention) and run (its RoPE),
+        after another Session stepped in between (benchmarks interleave them)."""
         if self.run_settings is not None:
             prepare_model(self.method, self.loaded.model, self.run_settings, self._run_tokens)
 

@@ -371,7 +371,8 @@ def test_refined_index_is_saved_and_restored(loaded, tmp_path, monkeypatch):
     assert s2.prefix_cached_tokens == PREFIX and second == first and pages2 == pages1
 
 
-@pytest.mark.parametrize("method,changes", [("full", {}), ("dense", {}), ("ice", {}), ("ice", {"prefill": "sparse"})])
+@pytest.mark.parametrize("method,changes", [("full", {}), pytest.param("dense", {}, marks=pytest.mark.slow),
+                                            pytest.param("ice", {}, marks=pytest.mark.slow), ("ice", {"prefill": "sparse"})])
 def test_a_model_with_window_layers_loads_its_saved_document_and_answers_the_same(tmp_path, method, changes):
     """Gemma 3's shape (window layers of 24 tokens, a global layer): a full prefill's entry holds
     each window layer's window, a sparse prefill's state its window layer; loaded, the run

@@ -136,9 +136,11 @@ def test_eval_prompt_option_errors():
 def test_qa_answers_standard_passkey_documents(loaded, quick_profile, tmp_path, method):
     """The shipped qa wording on passkey documents of about 3k tokens in the paper's format,
     through the CLI (``batch``: one model load): full attention, and ice at budget 64 with its
-    pages (dense_until: 0)."""
+    pages (dense_until: 0). At least two of three depths answered: the 135M model misses some
+    depths under every wording (9/10 at 3.7k, docs/prompts.md), and the broken wording this
+    guards against answered none."""
     want = {}
-    for i, depth in enumerate((0.2, 0.8)):
+    for i, depth in enumerate((0.2, 0.5, 0.8)):
         case = suite.make("passkey_doc", loaded.tokenizer, 3000, i, seed=7, depth=depth)
         (tmp_path / f"pk{i}.txt").write_text(case.document)
         want[f"pk{i}.txt"] = case.asks[0].expected
@@ -147,10 +149,10 @@ def test_qa_answers_standard_passkey_documents(loaded, quick_profile, tmp_path, 
                  "--max-new-tokens", "24", *extra], timeout=900)
     assert r.returncode == 0, r.stderr.decode()[-500:]
     rows = [json.loads(line) for line in r.stdout.decode().splitlines()]
-    assert len(rows) == 2
-    for row in rows:
-        name = row["path"].rsplit("/", 1)[-1]
-        assert suite.answered(row["output"], want[name]), (name, row["output"])
+    assert len(rows) == 3
+    missed = [(row["path"].rsplit("/", 1)[-1], row["output"]) for row in rows
+              if not suite.answered(row["output"], want[row["path"].rsplit("/", 1)[-1]])]
+    assert len(missed) <= 1, missed
 
 
 def test_a_cache_that_cannot_roll_back_is_started_afresh(loaded, cpu_settings):

@@ -99,7 +99,8 @@ def test_the_memory_estimate_counts_a_window_layer_as_its_window():
         assert (0.5 if method == "ice" else 1.0) < grew < 1.6
 
 
-@pytest.mark.parametrize("method", ["full", "ice", "quest"])
+@pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.slow), "ice",
+                                    pytest.param("quest", marks=pytest.mark.slow)])
 def test_a_shared_prefill_adopted_with_window_layers_decodes_as_the_methods_own(gemma, method):
     """The eval's path (one dense prefill, adopted by each method's cache) continues at the
     prompt's true length in the window layers too, so it decodes as the method's own prefill."""
