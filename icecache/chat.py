@@ -59,16 +59,11 @@ FAMILIES = (
 )
 
 
-def token_id(tokenizer: Any, token: str) -> int | None:
-    """The id of ``token`` as one vocabulary entry, or None where the vocabulary lacks it."""
-    vocab = tokenizer.get_vocab()
-    return vocab.get(token)
-
-
 def family_of(model_type: str, tokenizer: Any) -> Family | None:
     """The family whose template fits a model of ``model_type`` with this vocabulary, or None."""
+    vocab = tokenizer.get_vocab()  # (a copy: built once here, a 262k-entry dict for Gemma)
     for fam in FAMILIES:
-        if model_type in fam.model_types and (fam.marker is None or token_id(tokenizer, fam.marker) is not None):
+        if model_type in fam.model_types and (fam.marker is None or fam.marker in vocab):
             return fam
     return None
 
@@ -99,8 +94,5 @@ def adopt_template(tokenizer: Any, model_type: str, choice: str = "auto") -> str
 def end_token_ids(tokenizer: Any, model_type: str) -> set[int]:
     """The end-of-turn tokens of the model's family that its vocabulary holds (whatever template
     the prompts use: a base model may still close a turn with them)."""
-    out: set[int] = set()
-    for fam in FAMILIES:
-        if model_type in fam.model_types:
-            out.update(i for i in (token_id(tokenizer, t) for t in fam.ends) if i is not None)
-    return out
+    vocab = tokenizer.get_vocab()
+    return {vocab[t] for fam in FAMILIES if model_type in fam.model_types for t in fam.ends if t in vocab}

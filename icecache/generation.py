@@ -15,6 +15,7 @@ import numpy as np
 import torch
 
 from .cache import IceCache
+from .cache.window import seen
 from .config import Settings
 from .fast_step import fast_step_for
 from .memory import return_freed
@@ -259,9 +260,7 @@ class Session:
                 if q is not None:  # the prompt's end last (SnapKV keeps the last call's)
                     self.cache.observe(i, q, np.arange(T - q.shape[1], T))
             self.cache.update(k.clone(), v.clone(), i)
-            layer = self.cache.layers[i]
-            if layer.is_sliding:  # it saw the whole prompt (its rows may be the window alone)
-                layer.cumulative_length = T
+            seen(self.cache.layers[i], T)  # a window layer given its window's rows alone
         self.cached_ids = list(pre.ids)
 
     @torch.inference_mode()
@@ -446,9 +445,7 @@ class Session:
                 self.ice.begin_prefill(cut, tail=len(ids) - cut)
             for i, (k, v) in enumerate(kv):
                 self.cache.update(k, v, i)
-                layer = self.cache.layers[i]
-                if layer.is_sliding:  # it saw the whole prefix, holds its window of it
-                    layer.cumulative_length = n
+                seen(self.cache.layers[i], n)  # a window layer's entry holds its window of the prefix
         else:
             from .cache.state import load_layers
 

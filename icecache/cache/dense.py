@@ -21,7 +21,7 @@ import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
 from .chunked import prefix_causal, sdpa_forward
-from .window import WindowLayer
+from .window import window_or
 
 
 class GrowingLayer(DynamicLayer):
@@ -160,8 +160,7 @@ class DenseCache(Cache):
     model's sliding-window layers: their window, :class:`~.window.WindowLayer`)."""
 
     def __init__(self, num_layers: int, decode_dtype: torch.dtype | None = None, windows: list[int] | None = None):
-        super().__init__(layers=[WindowLayer(windows[i]) if windows and windows[i] else GrowingLayer(decode_dtype)
-                                 for i in range(num_layers)])
+        super().__init__(layers=[window_or(windows, i, lambda: GrowingLayer(decode_dtype)) for i in range(num_layers)])
 
     def device_kv_bytes(self) -> int:
         return sum(layer.device_bytes() for layer in self.layers)

@@ -22,7 +22,7 @@ from transformers.cache_utils import Cache
 from . import current
 from .chunked import sdpa_forward
 from .dense import GrowingLayer
-from .window import WindowLayer
+from .window import WindowLayer, window_or
 
 
 @dataclass(frozen=True)
@@ -57,8 +57,7 @@ class OracleCache(Cache):
     layers: their window, attended in full)."""
 
     def __init__(self, num_layers: int, spec: OracleSpec, windows: list[int] | None = None):
-        super().__init__(layers=[WindowLayer(windows[i]) if windows and windows[i] else GrowingLayer()
-                                 for i in range(num_layers)])
+        super().__init__(layers=[window_or(windows, i, GrowingLayer) for i in range(num_layers)])
         self.spec = spec
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):

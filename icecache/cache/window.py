@@ -22,6 +22,20 @@ class WindowLayer(DynamicSlidingWindowLayer):
         return int(self.keys.numel() * self.keys.element_size() + self.values.numel() * self.values.element_size())
 
 
+def window_or(windows: list[int] | None, i: int, other):
+    """Layer ``i`` of a cache: a :class:`WindowLayer` where ``windows`` gives it a window, else
+    ``other()`` (the cache's own kind of layer)."""
+    return WindowLayer(windows[i]) if windows and windows[i] else other()
+
+
+def seen(layer, tokens: int) -> None:
+    """A cache layer filled from saved or shared keys: a sliding-window layer, which may have been
+    given its window's rows alone, has seen ``tokens`` all the same (its masks and the next
+    positions count from there)."""
+    if layer.is_sliding:
+        layer.cumulative_length = tokens
+
+
 def window_sizes(config, num_layers: int) -> list[int]:
     """Each layer's sliding window in tokens (0: a global layer), as transformers' own cache reads
     a config (``layer_types``, else a ``sliding_window`` on every layer). ``ValueError`` naming a
