@@ -5,8 +5,11 @@ been type-checked and validated, and every error names the key and where it came
 file or a flag).
 
 A profile is a flat YAML mapping whose keys are the fields of :class:`Settings` (plus ``name`` and
-``description``). Shipped profiles live in ``profiles/`` (installed as ``icecache.profiles``);
-``--profile`` takes one of their names or a path to a YAML file.
+``description``) and the page selectors' own keys (each selector's ``Settings`` dataclass in
+``icecache.cache.selectors``, e.g. ``carry_pages``, kept in :attr:`Settings.tuning`). The dataclass
+defaults are the shipped values (docs/profiles.md); a profile names what its machine changes.
+Shipped profiles live in ``profiles/`` (installed as ``icecache.profiles``); ``--profile`` takes
+one of their names or a path to a YAML file.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +33,6 @@ HOST_DTYPES = ("auto",) + DTYPES
 HALF_CHOICES = ("model", "bfloat16", "auto")  # dense_kv, prompt_compute
 CHAT_CHOICES = ("auto", "family", "plain")  # chat_template; icecache.chat.CHOICES (tested equal)
 POSITIONS = ("auto", "true", "remap")
-MERGES = ("ranks", "mass", "peaks")  # index_merge; icecache.index.config.MERGES (tested equal)
 WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
 MAX_THREADS = 256
 
@@ -56,67 +58,44 @@ class Settings:
     # logits checked against its float weights) or "auto" (int4 on the CPU when it holds the
     # model's weights exactly, as for a Q4_1 GGUF; else float); activations in dtype
     # (icecache.weights)
-    weights: str = "float"
+    weights: str = "auto"
     page_size: int = 16
     budget: int = 256
     sink_pages: int = 2
-    window_pages: int = 2
+    window_pages: int = 8
     dense_layers: int = 2
     # ice and ice-reuse: a run of at most this many tokens (prompt + generation) keeps every layer
     # dense, attending to every token (exact), where that is faster than selecting pages
     # (0: never; with a full prefill only; past the trained context only if the prompt fits it,
     # the decode steps then clamping the farthest keys' distance). icecache.methods.all_dense
-    dense_until: int = 0
+    dense_until: int = 9216
     # dense layers' keys and values while decoding (ice's dense layers, every layer of a dense_until
     # run, the dense method): "model" (the model's dtype), "bfloat16", or "auto" (bfloat16 for a
     # float32 model on a CPU that multiplies bfloat16 natively); the prompt is computed in the
     # model's dtype either way
-    dense_kv: str = "model"
+    dense_kv: str = "auto"
     # the prompt's products (the int4 layers' many-row products and the chunks' attention):
     # "model" (the model's dtype), "bfloat16" (float32 sums), or "auto" (bfloat16 for a float32
     # model on a CPU that multiplies bfloat16 natively)
-    prompt_compute: str = "model"
-    index_beam: int = 32  # DCI-tree nodes expanded per level in a decode-step query
-    index_beam_frac: float = 0.001  # ... at least this share of the indexed keys (authors: 0.001)
-    # how the DCI-tree cuts a node's children into pages: "projection" (runs along a random
-    # direction) or "similar" (balanced k-means groups; nearest-sibling inserts; 2-means splits)
-    index_pages: str = "projection"
-    # how a GQA group shares its KV head's pages: "ranks" (interleaved rank by rank), "mass"
-    # (the pages holding the most of the group's summed attention, estimated) or "peaks" (the
-    # same estimate from each page's best member)
-    index_merge: str = "ranks"
-    # Lloyd passes over the DCI-tree's bottom-level grouping after a build and every 256 keys
-    # inserted (0: none): points move to the parent whose children's mean is nearest
-    index_refine: int = 0
-    # a decode step ranks the previous search's best carry_pages pages (at least its choice)
-    # beside those its index walk reaches: a narrow beam keeps what an earlier, wider search
-    # found while the queries still want it (0: off)
-    carry_pages: int = 0
+    prompt_compute: str = "auto"
     # passages pinned for the answer (0: off): the prompt's last stepped tokens (up to 32) vote
     # over the offloaded tokens with every sparse layer's exact attention (a token's largest
     # head weight); the answer_spans best places (each a page before and two after, in token
     # order) stay loaded from the prompt's last step on, beside the budget's pages (remapped:
     # nearest the window)
-    answer_spans: int = 0
-    # the offloaded tokens a decode step does not load take part as one row per DCI-tree page
-    # (the mean of its keys and of its values, weighted by its member count), so the loaded
-    # rows' softmax weights are not inflated by what was left out. True positions only (a
-    # remapped run ignores it): ice and ice-reuse
-    rest_estimate: bool = False
+    answer_spans: int = 3
     reuse_every: int = 3  # ice-reuse: an anchor layer queries, the next reuse_every - 1 reuse it
     chunk_size: int = 2048
-    max_context: int = 131072
+    max_context: int = 262144
     # "full": chunks attend to all before them; "sparse": to selected pages; "auto": full while the
     # prompt fits the model's trained context and the memory, sparse beyond (methods that can)
-    prefill: str = "full"
+    prefill: str = "auto"
     prefill_budget: int = 1024  # sparse prefill: tokens of pages each chunk selects per KV head
-    tail_budget: int = 256  # sparse prefill: tokens of pages each prompt-end step selects per KV head
+    tail_budget: int = 64  # sparse prefill: tokens of pages each prompt-end step selects per KV head
     # sparse prefill: the prompt-end steps' index search covers at least this share of the
     # indexed keys (1: all of them, an exact search; their pages decide the first answer token)
     tail_beam_frac: float = 1.0
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
-    # sparse prefill: DCI-tree nodes a chunk's search expands per level (0: index_beam)
-    prefill_beam: int = 0
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
     host_dtype: str = "auto"  # the host store's: auto = float16 for a float32 model, else the model's
@@ -129,7 +108,7 @@ class Settings:
     # as the trained context allows; unless the best passage continues the sink (then nothing
     # moves). Well-voted rows next to a passage join it. Fragments of the budget's pages just
     # before the question read as the text it follows; farther back, as earlier text
-    remap_pin_gap: int = 0
+    remap_pin_gap: int = 2048
     # RoPE scaling for runs that outgrow the trained context (icecache.rope): none, linear,
     # dynamic or yarn; with one set, positions stay true (the scaling handles them).
     rope_scaling: str = "none"
@@ -144,9 +123,27 @@ class Settings:
     doc_cache: str = ""
     doc_cache_gib: float = 10.0
     doc_cache_min_tokens: int = 2048
+    # the page selectors' keys a profile, flag or variant set, sorted ((key, value), ...); the
+    # others keep their selector's default (:func:`selector_settings`)
+    tuning: tuple = field(default=())
 
     def replace(self, **changes: Any) -> Settings:
+        """A copy with ``changes`` (fields or selector keys; unchecked: :func:`apply` checks)."""
+        tuned = {k: changes.pop(k) for k in list(changes) if k not in FIELD_TYPES and k != "tuning"}
+        if set(tuned) - set(selector_keys()):
+            raise TypeError(f"unknown settings: {', '.join(sorted(set(tuned) - set(selector_keys())))}")
+        if tuned:
+            changes["tuning"] = tuple(sorted((dict(changes.get("tuning", self.tuning)) | tuned).items()))
         return dataclasses.replace(self, **changes)
+
+    def tuned(self, key: str) -> Any:
+        """A selector key's value: as set, else its selector's default."""
+        return dict(self.tuning).get(key, selector_keys()[key][1])
+
+    def as_dict(self) -> dict[str, Any]:
+        """Every setting by its profile key, the selectors' keys with their values in effect."""
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "tuning"}
+        return out | {key: default for key, (_t, default) in selector_keys().items()} | dict(self.tuning)
 
     @property
     def budget_pages(self) -> int:
@@ -154,7 +151,21 @@ class Settings:
 
 
 _TYPES = {"str": str, "int": int, "float": float, "bool": bool}
-FIELD_TYPES: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings)}
+FIELD_TYPES: dict[str, type] = {f.name: _TYPES[str(f.type)] for f in fields(Settings) if f.name != "tuning"}
+
+
+def selector_keys() -> dict[str, tuple[type, Any]]:
+    """The page selectors' keys: key -> (type, default) (``icecache.cache.selectors``)."""
+    from .cache.selectors.base import tunable
+
+    return tunable()
+
+
+def selector_settings(settings: Settings, name: str) -> Any:
+    """Selector ``name``'s settings dataclass under ``settings``."""
+    from .cache.selectors import settings_for
+
+    return settings_for(name, dict(settings.tuning))
 
 
 def _where(source: str, key: str) -> str:
@@ -162,8 +173,7 @@ def _where(source: str, key: str) -> str:
     return source if source.startswith("--") else f"{source}: key '{key}'"
 
 
-def _check_type(key: str, value: Any, source: str) -> Any:
-    want = FIELD_TYPES[key]
+def _check_type(key: str, value: Any, source: str, want: type) -> Any:
     if want is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if want is bool and isinstance(value, bool):
@@ -207,22 +217,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("dense_layers", "must be >= 0")
     if not 0 <= s.dense_until <= 1_048_576:
         raise bad("dense_until", "must be between 0 and 1048576")
-    if s.index_beam < 1:
-        raise bad("index_beam", "must be >= 1")
-    if not 0 <= s.index_beam_frac < 1:
-        raise bad("index_beam_frac", "must be in [0, 1)")
-    if s.index_merge not in MERGES:
-        raise bad("index_merge", f"must be one of {', '.join(MERGES)}")
-    if not 0 <= s.index_refine <= 10:
-        raise bad("index_refine", "must be a whole number from 0 to 10")
-    if s.prefill_beam < 0:
-        raise bad("prefill_beam", "must be 0 (the index_beam) or more")
-    if not 0 <= s.carry_pages <= 1024:
-        raise bad("carry_pages", "must be a whole number from 0 (off) to 1024")
     if not 0 <= s.answer_spans <= 16:
         raise bad("answer_spans", "must be a whole number from 0 (off) to 16")
-    if s.index_pages not in ("projection", "similar"):
-        raise bad("index_pages", "must be 'projection' or 'similar'")
     if s.reuse_every < 1:
         raise bad("reuse_every", "must be >= 1")
     if s.chunk_size <= 0 or s.chunk_size % s.page_size:
@@ -271,15 +267,35 @@ def validate(s: Settings, source: str) -> Settings:
 
 def apply(base: Settings, values: Mapping[str, Any], source: str) -> Settings:
     """Overlay ``values`` (a profile mapping or flags) on ``base``; check types and values."""
-    known = {f.name for f in fields(Settings)}
-    changes = {}
+    changes, tuning = {}, dict(base.tuning)
     for key, value in values.items():
-        if key not in known:
-            raise ProfileError(
-                f"{source}: unknown key '{key}' (known keys: {', '.join(sorted(known))})"
-            )
-        changes[key] = _check_type(key, value, source)
+        if key in FIELD_TYPES:
+            changes[key] = _check_type(key, value, source, FIELD_TYPES[key])
+            continue
+        tunable = selector_keys()
+        if key not in tunable:
+            known = sorted(FIELD_TYPES) + sorted(tunable)
+            raise ProfileError(f"{source}: unknown key '{key}' (known keys: {', '.join(known)})")
+        tuning[key] = _check_type(key, value, source, tunable[key][0])
+        _check_selectors(key, tuning, source)
+    if tuning:
+        changes["tuning"] = tuple(sorted(tuning.items()))
     return validate(base.replace(**changes), source)
+
+
+def _check_selectors(key: str, tuning: dict[str, Any], source: str) -> None:
+    """Build each selector's settings that ``key`` belongs to: a value it refuses names the key."""
+    import dataclasses as dc
+
+    from .cache.selectors import SELECTORS, settings_for
+
+    for name, cls in SELECTORS.items():
+        if key in {f.name for f in dc.fields(cls.Settings)}:
+            try:
+                settings_for(name, tuning)
+            except ValueError as exc:
+                why = str(exc).removeprefix(key).strip()
+                raise ProfileError(f"{_where(source, key)} {why}, got {tuning[key]!r}") from None
 
 
 def profiles_dir() -> Path:

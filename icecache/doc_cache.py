@@ -55,7 +55,8 @@ STATE_NEUTRAL = frozenset({"name", "description", "doc_cache", "doc_cache_gib", 
 
 # Settings added since the format began: they join an identity (dense or sparse) only when not
 # at these defaults, so a version that adds one still finds the entries saved before it.
-SHAPING_IF_SET = {"index_refine": 0, "rest_estimate": False}
+SHAPING_IF_SET = {"index_refine": 0, "rest_estimate": False, "observation": 32, "pq_subspaces": 8, "pq_bits": 6,
+                  "lsh_bits": 8, "lsh_tables": 64, "lsh_min_hits": 2}
 
 Warn = Callable[[str], None]
 
@@ -112,9 +113,10 @@ class DocCache:
         self.root = Path(root)
         self.max_bytes = max_bytes
         self.warn = warn or (lambda _m: None)
+        values = settings.as_dict()
         self.identity = {"format": FORMAT, **model_identity(model),
-                         **{k: getattr(settings, k) for k in SHAPING},
-                         **{k: getattr(settings, k) for k, v in SHAPING_IF_SET.items() if getattr(settings, k) != v},
+                         **{k: values[k] for k in SHAPING},
+                         **{k: values[k] for k, v in SHAPING_IF_SET.items() if values[k] != v},
                          **_prompt_identity(model, settings)}
         self._ident_hash = hashlib.sha256(json.dumps(self.identity, sort_keys=True).encode()).hexdigest()
 

@@ -108,13 +108,14 @@ class Prefilled:
 
 
 @torch.inference_mode()
-def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observation: int = 32,
+def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observation: int | None = None,
                  on_progress: Progress | None = None, new_tokens: int = 0) -> Prefilled:
     """The chunked full-attention prefill of ``ids`` that every method's own prefill computes.
 
     Every method prefills with full attention (the sparse ones change decoding only), so one
     prefill serves them all: each then starts from a copy of these keys and values. The last
-    ``observation`` queries of each layer are kept for SnapKV. ``new_tokens``: the generation to
+    ``observation`` queries of each layer are kept for SnapKV and H2O (None: the settings'
+    ``observation``; 0: none). ``new_tokens``: the generation to
     come (with ``rope_scaling``, the RoPE is chosen for prompt + generation, as a session does).
     """
     from .cache import DenseCache, record
@@ -125,7 +126,7 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     name = record.register()
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
-    record.start(observation)
+    record.start(settings.tuned("observation") if observation is None else observation)
     cache = DenseCache(model.config.num_hidden_layers)
     t0 = time.perf_counter()
     chunk = settings.chunk_size
@@ -383,8 +384,6 @@ class Session:
         store, index, window: :mod:`.cache.state`), for this method and these exact settings.
         Not for SnapKV or H2O (their selection also reads the prompt's queries) nor remapped
         positions in a full prefill."""
-        import dataclasses
-
         from .methods import get, reads_prompt_queries
 
         run, m = self.run_settings, get(self.method)
@@ -403,7 +402,7 @@ class Session:
         from .doc_cache import SHAPING_IF_SET, STATE_NEUTRAL
 
         budget = 0 if run.budget <= run.prefill_budget else run.budget
-        settings = {k: v for k, v in dataclasses.asdict(run.replace(budget=budget)).items()
+        settings = {k: v for k, v in run.replace(budget=budget).as_dict().items()
                     if SHAPING_IF_SET.get(k, object()) != v  # later settings at their defaults: left out
                     and k not in STATE_NEUTRAL}
         # "state" counts the layouts of a saved layer: a layout change makes older entries unseen

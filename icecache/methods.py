@@ -136,33 +136,25 @@ def check_prefill(method: str, settings: Settings) -> None:
 def ice_spec(settings: Settings, method: Method):
     """The paged cache's spec for ``method`` under ``settings`` (budget in pages from here on)."""
     from .cache import IceSpec
-    from .index import IndexConfig
+    from .config import selector_settings
 
+    selector = method.selector or "dci"
     return IceSpec(
         page_size=settings.page_size,
         budget_pages=settings.budget_pages if method.budgeted else 0,
         sink_tokens=settings.sink_pages * settings.page_size,
         window_tokens=settings.window_pages * settings.page_size,
-        # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16).
-        index=IndexConfig(page_size=settings.page_size, ratio_bottom=1 / (2 * settings.page_size),
-                          beam=settings.index_beam, beam_frac=settings.index_beam_frac,
-                          pages=settings.index_pages, merge=settings.index_merge,
-                          refine=settings.index_refine,
-                          # at most a chunk's keys between refinements (tiny test chunks too)
-                          refine_min=max(1, min(256, settings.chunk_size))),
-        selector=method.selector or "dci",
+        selector=selector,
+        tuning=selector_settings(settings, selector),
         pipeline=settings.pipeline,
         sparse_prefill=settings.prefill == "sparse",
         prefill_pages=settings.prefill_budget // settings.page_size,
         tail_pages=min(settings.tail_budget, settings.prefill_budget) // settings.page_size,
         tail_beam_frac=settings.tail_beam_frac,
-        prefill_beam=settings.prefill_beam,
         prefill_queries=settings.prefill_queries,
         chunk_tokens=settings.chunk_size,
         dense_window=settings.dense_window,
-        carry_pages=settings.carry_pages,
         answer_spans=settings.answer_spans if method.budgeted else 0,
-        rest_estimate=settings.rest_estimate and method.budgeted,
         host_dtype=host_dtype(settings),
     )
 

@@ -71,7 +71,7 @@ def bench_main(
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps({
                 "ctx": sizes, "methods": method_list, "decode_steps": steps, "full_prefill_max": limit,
-                "max_seconds": max_seconds, "positions": position_list, "settings": settings.__dict__,
+                "max_seconds": max_seconds, "positions": position_list, "settings": settings.as_dict(),
                 "model": opts.model or "embedded"}, indent=1))
     with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
         loaded = load_model(opts.model, settings, log=rep.info)
@@ -290,9 +290,9 @@ def index(
         for b in budget_list:
             if b <= 0 or b % settings.page_size:
                 raise UsageError(f"--budgets: {b} is not a positive multiple of {settings.page_size}")
-        pages = settings.index_pages if pages is None else pages
-        merge = settings.index_merge if merge is None else merge
-        refine = str(settings.index_refine) if refine is None else refine
+        pages = settings.tuned("index_pages") if pages is None else pages
+        merge = settings.tuned("index_merge") if merge is None else merge
+        refine = str(settings.tuned("index_refine")) if refine is None else refine
         modes = [m.strip() for m in pages.split(",") if m.strip()]
         for m in modes:
             if m not in ("projection", "similar"):
@@ -305,9 +305,9 @@ def index(
         picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
                                                      "0 or from 2 to 16") if m)
         beams = (parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None
-                 else [settings.index_beam])
+                 else [settings.tuned("index_beam")])
         loaded = load_model(model, settings, log=rep.info)
-        frac = settings.index_beam_frac if beam_frac is None else beam_frac
+        frac = settings.tuned("index_beam_frac") if beam_frac is None else beam_frac
         configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r)
                    for b in beams for p in modes for m in merges for r in refines]
         for n in sizes:

@@ -108,7 +108,7 @@ def evaluate(
         all_cells = runner.cells(task_list, method_list, budget_list, length_list, wording_names)
         config = {"tasks": task_list, "methods": method_list, "budgets": budget_list,
                   "lengths": length_list, "n": n, "seed": seed, "new_tokens": new_tokens,
-                  "data": data, "settings": settings.__dict__, "model": model or "embedded",
+                  "data": data, "settings": settings.as_dict(), "model": model or "embedded",
                   "depths": depth_list, "wordings": own_wordings}
         if out is not None:
             runner.check_resumable(out, config)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import json
 from typing import Annotated
@@ -27,7 +26,7 @@ def profiles(
     with user_errors():
         loaded = [load_profile(n) for n in (names or list(shipped_profiles()))]
     if as_json:
-        emit(json.dumps([dataclasses.asdict(s) for s in loaded]))
+        emit(json.dumps([s.as_dict() for s in loaded]))
         return
     table = Table("name", *COLUMNS, title=None, box=None, pad_edge=False)
     for s in loaded:

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from icecache.cache.paged import paged_decode_sdpa, paged_decode_weighted, paged_decode_weighted_reference
+from icecache.cache.selectors.snapkv import ObservationSettings
 from icecache.cache.selectors.tokens import QueryGrid, TokenPages, group_weights, top_tokens
 
 from .test_ice_cache import full_cache, ice_cache, run_steps, spec, tiny_model
@@ -198,7 +199,8 @@ def test_h2o_keeps_the_heaviest_prompt_tokens_and_evicts_for_good():
 
     rng = np.random.default_rng(5)
     H, G, T, d, S = 2, 2, 64, 8, 4
-    s = IceSpec(page_size=S, budget_pages=2, sink_tokens=4, window_tokens=4, selector="h2o", observation=4)
+    s = IceSpec(page_size=S, budget_pages=2, sink_tokens=4, window_tokens=4, selector="h2o",
+                tuning=ObservationSettings(observation=4))
     sel = H2OSelector(s)
     keys = torch.from_numpy(rng.standard_normal((H, T, d)).astype(np.float32))
     queries = torch.from_numpy(rng.standard_normal((H * G, T, d)).astype(np.float32))

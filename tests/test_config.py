@@ -55,7 +55,7 @@ BAD_PROFILES = [
     ("host_dtype: int8\n", "key 'host_dtype' must be one of auto, float32"),
     ("host_memory_gib: 0\n", "key 'host_memory_gib' must be > 0"),
     ("chunk_size: 100\n", "key 'chunk_size' must be a positive multiple of page_size"),
-    ("max_context: 300\n", "key 'max_context' must hold at least sink + window + budget (320 tokens)"),
+    ("max_context: 300\n", "key 'max_context' must hold at least sink + window + budget (416 tokens)"),
     ("- a\n- b\n", "must be a mapping"),
     ("budget: [1\n", "not valid YAML at line"),
 ]

@@ -202,7 +202,7 @@ def test_method_variants_change_profile_keys_for_their_row(cpu_settings):
     assert split_methods("full, ice[answer_spans=4,index_merge=mass],quest") == [
         "full", "ice[answer_spans=4,index_merge=mass]", "quest"]
     label, method, s = parse_variant("ice[answer_spans=4,index_merge=mass]", cpu_settings)
-    assert (label, method, s.answer_spans, s.index_merge) == ("ice[answer_spans=4,index_merge=mass]", "ice", 4, "mass")
+    assert (label, method, s.answer_spans, s.tuned("index_merge")) == ("ice[answer_spans=4,index_merge=mass]", "ice", 4, "mass")
     assert parse_variant("ice", cpu_settings) == ("ice", "ice", cpu_settings)
     for bad, words in (("ice[answer_spans=17]", "answer_spans"), ("ice[nope=2]", "nope"),
                        ("ice[answer_spans]", "key=value"), ("ice[answer_spans=x]", "answer_spans")):

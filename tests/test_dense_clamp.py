@@ -77,11 +77,12 @@ def test_a_clamped_decode_equals_keys_placed_at_the_farthest_trained_distance(T,
 
 
 def test_the_plan_of_an_all_dense_run_past_the_trained_context():
-    from icecache.config import Settings
     from icecache.methods import all_dense, dense_plan
 
+    from .lab import lab_settings
+
     model = llama(ROPES["default"])  # trained on 4096 positions
-    s = Settings(prefill="auto", positions="auto", max_context=10**6, dense_until=5000)
+    s = lab_settings(prefill="auto", positions="auto", max_context=10**6, dense_until=5000)
     dense, clamp = dense_plan("ice", model, s, 4500, 4000)  # the prompt fits, the generation goes past
     assert dense and clamp is not None and clamp.trained == 4096
     assert dense_plan("ice", model, s, 4000, 3900) == (True, None)  # within: exact, true positions
@@ -98,8 +99,9 @@ def _tiny():
     """A tiny model trained on 64 positions and settings that keep a run of 100 tokens dense."""
     import transformers as tf
 
-    from icecache.config import Settings
     from icecache.models import LoadedModel
+
+    from .lab import lab_settings
 
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=97, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
@@ -107,7 +109,7 @@ def _tiny():
                          rope_parameters={"rope_type": "default", "rope_theta": 100.0})
     model = tf.LlamaForCausalLM(cfg).eval()
     loaded = LoadedModel(model=model, tokenizer=None, name="tiny", context_length=64, load_seconds=0.0)
-    s = Settings(device="cpu", dtype="float32", prefill="auto", positions="auto", dense_until=100,
+    s = lab_settings(device="cpu", dtype="float32", prefill="auto", positions="auto", dense_until=100,
                  page_size=4, budget=8, sink_pages=1, window_pages=2)
     return loaded, s
 

@@ -80,8 +80,8 @@ def test_the_dense_kv_setting_picks_bfloat16_where_the_cpu_multiplies_it(monkeyp
     from icecache.errors import ProfileError
     from icecache.methods import dense_kv_dtype
 
-    s = Settings()
-    assert dense_kv_dtype(s) is None  # "model": the default
+    s = Settings(dense_kv="model")
+    assert dense_kv_dtype(s) is None  # "model": the model's dtype
     assert dense_kv_dtype(s.replace(dense_kv="bfloat16")) == torch.bfloat16
     assert dense_kv_dtype(s.replace(dense_kv="bfloat16", dtype="bfloat16")) is None  # already 16 bits
     monkeypatch.setattr(dense, "native_bf16", lambda: True)

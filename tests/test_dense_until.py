@@ -6,11 +6,12 @@ from .test_positions import ROPES, llama
 
 
 def test_the_choice_of_an_all_dense_run():
-    from icecache.config import Settings
     from icecache.methods import all_dense
 
+    from .lab import lab_settings
+
     model = llama(ROPES["default"])  # trained on 4096 positions
-    s = Settings(prefill="auto", positions="auto", max_context=10**6, dense_until=2048)
+    s = lab_settings(prefill="auto", positions="auto", max_context=10**6, dense_until=2048)
     assert all_dense("ice", model, s, 2048) and all_dense("ice-reuse", model, s, 100)
     assert not all_dense("ice", model, s, 2049)  # past dense_until
     assert not all_dense("ice", model, s, 0)  # the run's length not known
@@ -29,11 +30,12 @@ def test_make_cache_keeps_every_layer_dense_for_a_short_run():
     from icecache.cache import IceCache
     from icecache.cache.dense import GrowingLayer
     from icecache.cache.ice_layer import IceLayer
-    from icecache.config import Settings
     from icecache.methods import make_cache
 
+    from .lab import lab_settings
+
     model = llama(ROPES["default"])
-    s = Settings(prefill="full", positions="true", max_context=10**5, dense_layers=1, dense_until=512)
+    s = lab_settings(prefill="full", positions="true", max_context=10**5, dense_layers=1, dense_until=512)
     short = make_cache("ice", model, s, 512)
     assert isinstance(short, IceCache) and short.all_dense
     assert all(isinstance(layer, GrowingLayer) for layer in short.layers)

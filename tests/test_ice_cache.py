@@ -3,12 +3,15 @@ the attention kernels against their reference, architectures, and a passkey chec
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
 
 from icecache.cache import IceCache, IceSpec, paged_decode_reference
 from icecache.cache.paged import paged_decode_sdpa
+from icecache.cache.selectors.dci import DCISettings
 from icecache.cache.window import WindowLayer, window_sizes
 from icecache.index import IndexConfig
 from icecache.methods import make_cache, prepare_model
@@ -36,11 +39,18 @@ def tiny_model(arch: str, kv_heads: int = 2):
     return model
 
 
+# The tests' DCI search: the authors' beam rule, without the shipped extras (carried pages, the
+# rest estimate, a wider prefill beam), which their own tests switch on.
+LAB_DCI = DCISettings(index_beam=48, index_beam_frac=0.001, index_pages="projection", carry_pages=0,
+                      rest_estimate=False, prefill_beam=0)
+
+
 def spec(budget_pages: int, sink: int = 8, window: int = 8, page: int = 4, selector: str = "dci",
-         pages: str = "projection") -> IceSpec:
+         pages: str = "projection", **tuning) -> IceSpec:
+    """A small cache's layout; ``tuning``: DCISettings fields changed from LAB_DCI."""
+    tuned = dataclasses.replace(LAB_DCI, index_pages=pages, **tuning) if selector == "dci" else None
     return IceSpec(page_size=page, budget_pages=budget_pages, sink_tokens=sink,
-                   window_tokens=window, index=IndexConfig(page_size=page, ratio_bottom=0.1, pages=pages),
-                   selector=selector)
+                   window_tokens=window, selector=selector, tuning=tuned)
 
 
 def run_steps(model, cache, prompt: list[int], forced: list[int]) -> list[torch.Tensor]:
@@ -369,17 +379,17 @@ def test_one_call_load_equals_the_general_path(store_dtype, pinned_slots):
 
 @pytest.mark.parametrize("method", ["oracle", "oracle-qhead"])
 def test_oracle_equals_full_with_room_and_differs_without(method):
-    from icecache.config import Settings
+    from .lab import lab_settings
 
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(10)
     prompt, forced = rng.integers(0, 97, 200).tolist(), rng.integers(0, 97, 5).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    roomy = Settings(budget=256, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
+    roomy = lab_settings(budget=256, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
     got = run_steps(model, make_cache(method, model, roomy), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
-    tight = Settings(budget=16, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
+    tight = lab_settings(budget=16, sink_pages=1, window_pages=1, page_size=16, dense_layers=1)
     got = run_steps(model, make_cache(method, model, tight), prompt, forced)
     torch.testing.assert_close(got[0], ref[0])  # the prefill is full attention
     assert max(float((a - b).abs().max()) for a, b in zip(ref[1:], got[1:], strict=True)) > 1e-3
@@ -394,7 +404,7 @@ def test_carried_pages_covering_everything_equal_full(carry):
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 30).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    s = IceSpec(**{**spec(budget_pages=64).__dict__, "carry_pages": carry})
+    s = spec(budget_pages=64, carry_pages=carry)
     got = run_steps(model, ice_cache(model, s), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
@@ -452,8 +462,8 @@ def test_carry_pages_keeps_what_a_wider_search_found():
     S, H, n, d = 8, 3, 6000, 32
     missed = 0
     for carry in (6, 20, 0):
-        s = IceSpec(page_size=S, budget_pages=6, carry_pages=carry,
-                    index=IndexConfig(page_size=S, beam=2, beam_frac=0.0))
+        s = IceSpec(page_size=S, budget_pages=6,
+                    tuning=dataclasses.replace(LAB_DCI, carry_pages=carry, index_beam=2, index_beam_frac=0.0))
         sel = make_selector(s)
         keys = np.stack([clustered(n, d=d, clusters=60, seed=30 + h) for h in range(H)]).astype(np.float32)
         sel.build(torch.from_numpy(keys), 0, n, n + 64)
@@ -490,8 +500,8 @@ def test_prefill_beam_widens_only_the_prefill_search():
     keys = np.stack([clustered(n, d=d, clusters=60, seed=30 + h) for h in range(H)]).astype(np.float32)
     narrow_missed = 0
     for beam in (0, n):
-        s = IceSpec(page_size=S, budget_pages=6, prefill_beam=beam,
-                    index=IndexConfig(page_size=S, beam=2, beam_frac=0.0))
+        s = IceSpec(page_size=S, budget_pages=6,
+                    tuning=dataclasses.replace(LAB_DCI, prefill_beam=beam, index_beam=2, index_beam_frac=0.0))
         sel = make_selector(s)
         sel.build(torch.from_numpy(keys), 0, n, n + 64)
         for trial in range(4):

@@ -499,13 +499,13 @@ def test_the_mass_merges_exponential_matches_numpy():
 def test_peaks_merge_with_full_beam_equals_the_page_peak_reference():
     """The peaks merge ranks pages by each query's softmax over the pages' best scores, summed
     over the group (NumPy reference here, every key scanned by a full beam); through
-    ``select_layer`` as through one tree. The rule names agree between the profile check and
-    the kernels' codes."""
-    from icecache import config
+    ``select_layer`` as through one tree. Every rule of the kernels' codes is a valid
+    profile value."""
+    from icecache.cache.selectors.dci import DCISettings
     from icecache.index import select_layer
     from icecache.index.config import MERGES
 
-    assert config.MERGES == MERGES
+    assert all(DCISettings(index_merge=m).index_merge == m for m in MERGES)
     keys = clustered(2500, d=16, clusters=30, seed=14)
     queries = clustered(3, d=16, clusters=30, seed=15)  # flat enough that peaks and mass differ
     trees = _two_head_trees(keys, "peaks")

@@ -124,14 +124,14 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     assert r.returncode == 0, r.stderr.decode()
     docs = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
     cpu = resolve_settings("cpu")
-    frac = cpu.index_beam_frac
+    frac = cpu.tuned("index_beam_frac")
     assert [(d["config"]["beam"], d["config"]["beam_frac"]) for d in docs] == [(8, frac), (16, frac)]
     assert all((d["config"]["pages"], d["config"]["merge"], d["config"]["refine"])
-               == (cpu.index_pages, cpu.index_merge, cpu.index_refine) for d in docs)
+               == (cpu.tuned("index_pages"), cpu.tuned("index_merge"), cpu.tuned("index_refine")) for d in docs)
     assert all(d["keys"] == 512 and 0 < d["recall_at_64"] <= 1 for d in docs)
     r = run_cli([*args, "--beam-frac", "0.5"])
     assert r.returncode == 0, r.stderr.decode()
     (doc,) = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
-    assert doc["config"]["beam"] == resolve_settings("cpu").index_beam and doc["config"]["beam_frac"] == 0.5
+    assert doc["config"]["beam"] == resolve_settings("cpu").tuned("index_beam") and doc["config"]["beam_frac"] == 0.5
     bad = run_cli([*args, "--beam", "0"])
     assert bad.returncode == 2 and "--beam: each value must be 1 or more" in bad.stderr.decode()

@@ -19,9 +19,11 @@ import torch
 from icecache.config import Settings
 from icecache.methods import make_cache
 
+from .lab import lab_settings
+
 PINNED = Path(__file__).parent / "data" / "pinned_methods.json"
 NEW_TOKENS = 24
-SETTINGS = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1,
+SETTINGS = lab_settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1,
                     chunk_size=64, prefill_budget=16, prefill_queries=4, dense_window=32,
                     max_context=4096)
 CASES = {  # case -> (method, settings changes)

@@ -107,12 +107,13 @@ def test_remap_decode_equals_keys_placed_at_their_remapped_positions():
 
 
 def test_auto_positions_in_make_cache():
-    from icecache.config import Settings
     from icecache.errors import UsageError
     from icecache.methods import make_cache
 
+    from .lab import lab_settings
+
     model = llama(ROPES["default"])  # trained on 4096 positions
-    s = Settings(page_size=4, budget=16, sink_pages=1, window_pages=1, dense_layers=1, max_context=8192)
+    s = lab_settings(page_size=4, budget=16, sink_pages=1, window_pages=1, dense_layers=1, max_context=8192)
     assert make_cache("ice", model, s, tokens=4096).remap is None
     remapped = make_cache("ice", model, s, tokens=4097)
     assert remapped.remap is not None and remapped.remap.page_distance == 4 + 4
@@ -130,13 +131,14 @@ def test_remapped_store_holds_the_same_keys_in_a_position_free_frame(sparse, den
     through a prefill (sparse: chunk by chunk) and decode steps with window evictions."""
     import numpy as np
 
-    from icecache.config import Settings
     from icecache.methods import make_cache
+
+    from .lab import lab_settings
 
     model = llama(ROPES["llama3"])
     rng = np.random.default_rng(4)
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 20).tolist()
-    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, chunk_size=64,
+    s = lab_settings(page_size=4, budget=16, sink_pages=2, window_pages=2, chunk_size=64,
                  prefill_budget=16, prefill_queries=4, dense_window=32, max_context=8192,
                  prefill="sparse" if sparse else "full", host_dtype="float32", dense_layers=dense_layers)
     caches = {}
@@ -169,11 +171,12 @@ def test_remapped_store_holds_the_same_keys_in_a_position_free_frame(sparse, den
 
 
 def test_automatic_prefill_and_positions_choice():
-    from icecache.config import Settings
     from icecache.methods import full_prefill_bytes, plan_run, prefill_mode
 
+    from .lab import lab_settings
+
     model = llama(ROPES["default"])  # trained on 4096 positions
-    s = Settings(prefill="auto", max_context=10**6)
+    s = lab_settings(prefill="auto", max_context=10**6)
     assert prefill_mode("ice", model, s, 4096) == "full" and prefill_mode("ice", model, s, 4097) == "sparse"
     assert prefill_mode("full", model, s, 10**5) == "full"  # it cannot prefill sparsely
     assert prefill_mode("ice", model, s.replace(prefill="full"), 10**5) == "full"  # as asked
@@ -197,14 +200,15 @@ def test_remap_with_room_for_every_page_equals_full(arch, sparse):
     (left at their true positions) and a global layer with its own RoPE base (remapped)."""
     import numpy as np
 
-    from icecache.config import Settings
     from icecache.methods import make_cache
     from tests.test_ice_cache import tiny_model
+
+    from .lab import lab_settings
 
     model = llama(ROPES["llama3"]) if arch == "llama3" else tiny_model("gemma3", 1)
     rng = np.random.default_rng(6)
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 30).tolist()
-    s = Settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
+    s = lab_settings(page_size=4, budget=512, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=512, prefill_queries=4, dense_window=4096, max_context=8192,
                  prefill="sparse" if sparse else "full", host_dtype="float32", index_beam=100_000)
     out = {}
@@ -487,13 +491,14 @@ def test_remapped_prompt_within_sink_and_window_then_decode():
     rotation of zero keys, and the later steps offload and place pages as usual."""
     import numpy as np
 
-    from icecache.config import Settings
     from icecache.methods import make_cache
+
+    from .lab import lab_settings
 
     model = llama(ROPES["llama3"])
     rng = np.random.default_rng(6)
     prompt, forced = rng.integers(0, 97, 20).tolist(), rng.integers(0, 97, 30).tolist()
-    s = Settings(page_size=4, budget=8, sink_pages=1, window_pages=8, chunk_size=64, max_context=8192,
+    s = lab_settings(page_size=4, budget=8, sink_pages=1, window_pages=8, chunk_size=64, max_context=8192,
                  host_dtype="float32", dense_layers=0, positions="remap")
     cache = make_cache("ice", model, s)
     with torch.inference_mode():
@@ -511,13 +516,14 @@ def remapped_pinned_cache(seed: int, steps: int, prefill_budget: int):
     model, the cache and the last step's logits."""
     import numpy as np
 
-    from icecache.config import Settings
     from icecache.methods import make_cache
+
+    from .lab import lab_settings
 
     model = llama(ROPES["llama3"])
     rng = np.random.default_rng(seed)
     prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, steps).tolist()
-    s = Settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
+    s = lab_settings(page_size=4, budget=16, sink_pages=2, window_pages=2, dense_layers=1, chunk_size=64,
                  prefill_budget=prefill_budget, prefill_queries=4, dense_window=4096, max_context=8192,
                  prefill="sparse", host_dtype="float32", positions="remap", answer_spans=2)
     cache = make_cache("ice", model, s)

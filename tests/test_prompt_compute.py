@@ -69,7 +69,7 @@ def test_the_prompt_compute_setting_and_the_saved_prefixes_it_names(monkeypatch,
     from icecache.errors import ProfileError
     from icecache.methods import prompt_half
 
-    s = Settings()
+    s = Settings(prompt_compute="model")
     assert prompt_half(s) is None and prompt_half(s.replace(prompt_compute="bfloat16")) == torch.bfloat16
     monkeypatch.setattr(dense, "native_bf16", lambda: True)
     assert prompt_half(s.replace(prompt_compute="auto")) == torch.bfloat16

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 from icecache.cache.paged import paged_decode_reference, paged_decode_rest, paged_decode_rest_reference
+from icecache.cache.selectors import make_selector
 
 from .test_ice_cache import full_cache, ice_cache, run_steps, spec, tiny_model
 
@@ -43,7 +44,7 @@ def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact():
 
 
 def rest_spec(budget: int, on: bool = True, **changes):
-    return dataclasses.replace(spec(budget_pages=budget), rest_estimate=on, **changes)
+    return dataclasses.replace(spec(budget_pages=budget, rest_estimate=on), **changes)
 
 
 def padded(t: torch.Tensor, rows: int, fill: float) -> torch.Tensor:
@@ -124,18 +125,23 @@ def test_rest_estimate_brings_a_small_budget_near_full_and_is_off_by_default():
         got = run_steps(model, ice_cache(model, rest_spec(budget=2, on=on)), prompt, forced)
         errors[on] = max(float((a - b).abs().max()) for a, b in zip(ref, got, strict=True))
     assert errors[True] < 1e-2 < errors[False] and errors[True] < errors[False] / 10
-    assert spec(budget_pages=2).rest_estimate is False
+    assert make_selector(spec(budget_pages=2)).rest_estimate is False
 
 
-def test_rest_estimate_is_a_profile_key_for_budgeted_methods(cpu_settings):
-    """Off in the settings' defaults, on in the cpu profile, and only for budgeted methods."""
-    from icecache.config import ProfileError, Settings, apply
+def test_rest_estimate_is_a_profile_key_of_the_tree_selector(cpu_settings):
+    """On by default (the shipped value), off through the profile key, and only for the
+    selector with a tree (not streaming's, nor quest's)."""
+    from icecache.config import ProfileError, apply
     from icecache.methods import METHODS, ice_spec
 
-    assert cpu_settings.rest_estimate is True and Settings().rest_estimate is False
+    assert cpu_settings.tuned("rest_estimate") is True
     off = apply(cpu_settings, {"rest_estimate": False}, "test")
-    assert ice_spec(cpu_settings, METHODS["ice"]).rest_estimate is True
-    assert ice_spec(cpu_settings, METHODS["streaming"]).rest_estimate is False
-    assert ice_spec(off, METHODS["ice"]).rest_estimate is False
+
+    def rests(settings, method):
+        return make_selector(ice_spec(settings, METHODS[method])).rest_estimate
+
+    assert rests(cpu_settings, "ice") is True
+    assert rests(cpu_settings, "streaming") is False and rests(cpu_settings, "quest") is False
+    assert rests(off, "ice") is False
     with pytest.raises(ProfileError, match="rest_estimate"):
         apply(cpu_settings, {"rest_estimate": 2}, "test")

@@ -61,7 +61,8 @@ class IceLayer(DecodeStep, CacheLayerMixin):
             anchor.followers.append(self)
         # The page selector; an ice-reuse follower uses its anchor's.
         self.selector: PageSelector | None = make_selector(spec) if anchor is None else None
-        self.kernel = attention_kind(self.selector, spec, remap)  # the decode steps' attention
+        # the decode steps' attention
+        self.kernel = attention_kind(self.selector if anchor is None else anchor.selector, spec, remap)
         self.offloaded = False  # the prompt went to sink / host store / window: steps are paged
         self.length = 0  # tokens seen (sink + host store + window)
         self.prompt_tokens = 0  # the prompt's length once announced (IceCache.begin_prefill)
@@ -164,7 +165,7 @@ class IceLayer(DecodeStep, CacheLayerMixin):
         # host rows of the pool: remapped pages are placed in token order; an estimating
         # selector weighs each row; a pinned passage's rows are not attended twice
         self.resident.track_rows = (self.remap is not None or self.estimates or self.passages is not None
-                                    or self.spec.rest_estimate)
+                                    or self.kernel == "rest")
         self.resident.set_sink(k[:, :sink], v[:, :sink])
         self.resident.append(k[:, sink + middle :], v[:, sink + middle :])
         self.resident.chunk_at = self.resident.chunk_len = 0

@@ -43,7 +43,7 @@ def attention_kind(selector, spec, remap) -> str:
         return "plain"
     if selector is not None and selector.estimates:
         return "weighted"
-    if spec.rest_estimate and remap is None:
+    if selector is not None and selector.rest_estimate and remap is None:
         return "rest"
     return "plain"
 

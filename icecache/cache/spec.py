@@ -7,9 +7,8 @@ user-facing edge (``Settings.budget``), converted once in :func:`icecache.method
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
-from ..index import IndexConfig
+from dataclasses import dataclass
+from typing import Any
 
 SPAN_PAGES = 3  # a pinned answer passage: a page before its anchor token, two from it on
 VOTE_STEPS = 32  # answer_spans: the prompt's last steps (run one token at a time) that vote
@@ -21,23 +20,17 @@ class IceSpec:
     budget_pages: int = 16  # selected pages resident per KV head at a decode step (0: none)
     sink_tokens: int = 32
     window_tokens: int = 32
-    index: IndexConfig = field(default_factory=IndexConfig)
     selector: str = "dci"  # a name in icecache.cache.selectors.SELECTORS
-    observation: int = 32  # snapkv: prompt-end queries that vote
+    tuning: Any = None  # the selector's own settings (its ``Settings`` dataclass); None: its defaults
     pipeline: bool = True  # offload + index a layer in the background while the next computes
     sparse_prefill: bool = False  # chunks after the first attend to sink + selected pages + window
     prefill_pages: int = 64  # sparse prefill: pages a chunk selects per KV head
     tail_pages: int = 16  # sparse prefill: pages a prompt-end step selects per KV head
-    prefill_beam: int = 0  # sparse prefill: nodes per level a chunk's search expands (0: the index's beam)
     tail_beam_frac: float = 1.0  # sparse prefill: share of the keys a prompt-end step's search covers
     chunk_tokens: int = 2048  # sparse prefill: room for one chunk in the window
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
-    carry_pages: int = 0  # dci: a decode step ranks the last search's best N pages with its walk's
     answer_spans: int = 0  # passages pinned for the answer after the prompt's end voted (0: off)
-    # dci, true positions: each tree page not loaded attends as one row (mean key and value,
-    # log(members) added to its score) (:mod:`.rest`)
-    rest_estimate: bool = False
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
 
     @property

@@ -28,9 +28,17 @@ class StateError(ValueError):
     pass
 
 
+def _index_config(cache):
+    """The DCI-trees' configuration, one object for every tree of the cache (saved by name)."""
+    from .selectors.dci import DCISettings, tree_config
+
+    tuning = cache.spec.tuning if isinstance(cache.spec.tuning, DCISettings) else DCISettings()
+    return tree_config(tuning, cache.spec.page_size, cache.spec.chunk_tokens)
+
+
 def _anchors(cache) -> dict[int, str]:
     named = {"backend": cache.backend, "stats": cache.stats, "spec": cache.spec, "remap": cache.remap,
-             "index_config": cache.spec.index}
+             "index_config": _index_config(cache)}
     out = {id(v): k for k, v in named.items() if v is not None}
     for i, layer in enumerate(cache.layers):
         out[id(layer)] = f"layer.{i}"
@@ -41,7 +49,7 @@ def _resolve(cache, name: str) -> Any:
     if name.startswith("layer."):
         return cache.layers[int(name.split(".", 1)[1])]
     if name == "index_config":
-        return cache.spec.index
+        return _index_config(cache)
     return getattr(cache, name)
 
 

@@ -21,13 +21,14 @@ How to add one: a subclass of :class:`~.base.PageSelector`, the contract an ice 
 one index per KV head and the page versions, so only ``new_index`` and perhaps ``select`` are
 left; a method that picks single tokens subclasses :class:`~.token_base.TokenSelector` and writes
 ``choose``. Decorate it with ``@register("name")`` in its own module, import that below, then add
-a :class:`~icecache.methods.Method` record naming it.
+a :class:`~icecache.methods.Method` record naming it. Its parameters are a frozen dataclass, its
+``Settings`` attribute: their names become profile keys (shared names mean the same thing).
 """
 
 from __future__ import annotations
 
 from ..spec import IceSpec
-from .base import SELECTORS, HeadIndexes, PageSelector, register
+from .base import SELECTORS, HeadIndexes, PageSelector, register, settings_for, tunable
 
 
 def make_selector(spec: IceSpec) -> PageSelector:
@@ -43,4 +44,4 @@ from .quest import QuestIndex  # noqa: E402
 from .snapkv import SnapIndex, snap_votes  # noqa: E402
 
 __all__ = ["SELECTORS", "HeadIndexes", "PageSelector", "QuestIndex", "SnapIndex", "make_selector",
-           "register", "snap_votes"]
+           "register", "settings_for", "snap_votes", "tunable"]

@@ -3,12 +3,21 @@ of the selectors that keep an index per KV head."""
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
 import numpy as np
 import torch
 
 from ..spec import IceSpec
 
 SELECTORS: dict[str, type] = {}
+
+
+@dataclasses.dataclass(frozen=True)
+class NoSettings:
+    """The settings of a selector that has none."""
 
 
 def register(name: str):
@@ -22,12 +31,40 @@ def register(name: str):
     return add
 
 
+def tunable() -> dict[str, tuple[type, Any]]:
+    """Every selector's settings as profile keys: key -> (type, default). A key two selectors
+    share means the same thing to both and has one default (checked here)."""
+    out: dict[str, tuple[type, Any]] = {}
+    for cls in SELECTORS.values():
+        for f in dataclasses.fields(cls.Settings):
+            got = (_TYPES[str(f.type)], f.default)
+            if out.setdefault(f.name, got) != got:
+                raise TypeError(f"selector key {f.name} has two types or defaults")
+    return out
+
+
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
+
+
+def settings_for(name: str, values: Mapping[str, Any]) -> Any:
+    """Selector ``name``'s settings dataclass from profile keys (``values``; the keys of other
+    selectors are ignored). A value it refuses raises ValueError."""
+    cls = SELECTORS[name].Settings
+    own = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in values.items() if k in own})
+
+
 class PageSelector:
     """One ice layer's page choice: every member an ice layer reads, with the default a selector
     that does not need it inherits (so the layer asks the selector, never probes it). Point ids
-    are host-store rows (the offloaded tokens in order)."""
+    are host-store rows (the offloaded tokens in order).
+
+    ``Settings``: the selector's own frozen dataclass (its keys reach it from a profile, a flag
+    or a method variant such as ``ice[carry_pages=8]``; its defaults are the shipped values);
+    ``IceSpec.tuning`` holds an instance, or None for the defaults."""
 
     name = ""
+    Settings: type = NoSettings
     indexed = True  # False: selects nothing, keeps no index (the pool has no slots)
     waits_for_queries = False  # needs the prompt's last queries before the prompt is offloaded
     budget_in_index = False  # its index holds a choice made for one budget (no IceCache.forked)
@@ -36,6 +73,16 @@ class PageSelector:
 
     def __init__(self, spec: IceSpec):
         self.spec = spec
+        tuning = self.Settings() if spec.tuning is None else spec.tuning
+        if not isinstance(tuning, self.Settings):
+            raise TypeError(f"selector {self.name} takes {self.Settings.__name__}, not {type(tuning).__name__}")
+        self.settings = tuning
+
+    @property
+    def rest_estimate(self) -> bool:
+        """Whether the pages a step does not load attend as one estimate row each
+        (:mod:`..rest`; needs :meth:`tree_pages`)."""
+        return False
 
     def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
         """The prompt's queries at a prefill chunk (query heads, chunk, head_dim), at prompt

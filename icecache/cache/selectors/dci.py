@@ -12,19 +12,80 @@ narrow the decode beam; a page they stop wanting drops out.
 
 from __future__ import annotations
 
+import functools
+from dataclasses import dataclass
+
 import numpy as np
 
-from ...index import DCITree
+from ...index import DCITree, IndexConfig
+from ...index.config import MERGES
 from ...index.walk import select_layer
 from ..kernels import pick_rows
 from .base import HeadIndexes, register
 from .tokens import group_weights, top_tokens
 
 
+@dataclass(frozen=True)
+class DCISettings:
+    """IceCache's search (profile keys of the same names; the defaults are the shipped values,
+    their figures in docs/results.md, "The index")."""
+
+    # DCI-tree nodes expanded per level in a decode step's query; at least index_beam_frac of
+    # the indexed keys (0: a fixed beam, a step's cost flat with the context)
+    index_beam: int = 32
+    index_beam_frac: float = 0.0
+    # how a node's children are cut into pages: "similar" (balanced k-means groups) or
+    # "projection" (runs along a random direction)
+    index_pages: str = "similar"
+    # how a GQA group shares its KV head's pages: "ranks", "mass" or "peaks" (IndexConfig)
+    index_merge: str = "ranks"
+    # Lloyd passes over the bottom level's grouping after a build and every 256 keys (0: none)
+    index_refine: int = 0
+    # a decode step also ranks the previous search's best carry_pages pages (0: off): a narrow
+    # beam keeps what an earlier, wider search found while the queries still want it
+    carry_pages: int = 32
+    # the tree pages a step does not load attend as one row each (their mean key and value,
+    # weighted by their member count; true positions only, :mod:`..rest`)
+    rest_estimate: bool = True
+    # sparse prefill: nodes per level a chunk's search expands (0: index_beam)
+    prefill_beam: int = 128
+
+    def __post_init__(self):
+        if self.index_beam < 1:
+            raise ValueError("index_beam must be >= 1")
+        if not 0 <= self.index_beam_frac < 1:
+            raise ValueError("index_beam_frac must be in [0, 1)")
+        if self.index_pages not in ("projection", "similar"):
+            raise ValueError("index_pages must be 'projection' or 'similar'")
+        if self.index_merge not in MERGES:
+            raise ValueError(f"index_merge must be one of {', '.join(MERGES)}")
+        if not 0 <= self.index_refine <= 10:
+            raise ValueError("index_refine must be a whole number from 0 to 10")
+        if not 0 <= self.carry_pages <= 1024:
+            raise ValueError("carry_pages must be a whole number from 0 (off) to 1024")
+        if self.prefill_beam < 0:
+            raise ValueError("prefill_beam must be 0 (the index_beam) or more")
+
+
+@functools.lru_cache(maxsize=64)
+def tree_config(settings: DCISettings, page_size: int, chunk_tokens: int) -> IndexConfig:
+    """The trees' :class:`IndexConfig` (one object for every layer of a cache with these
+    arguments, which the saved state refers to by name)."""
+    # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16); at
+    # most a chunk's keys between refinements (tiny test chunks too)
+    return IndexConfig(page_size=page_size, ratio_bottom=1 / (2 * page_size), beam=settings.index_beam,
+                       beam_frac=settings.index_beam_frac, pages=settings.index_pages,
+                       merge=settings.index_merge, refine=settings.index_refine,
+                       refine_min=max(1, min(256, chunk_tokens)))
+
+
 @register("dci")
 class DCISelector(HeadIndexes):
+    Settings = DCISettings
+
     def __init__(self, spec):
         super().__init__(spec)
+        self.tree = tree_config(self.settings, spec.page_size, spec.chunk_tokens)
         self.carried: list[np.ndarray] | None = None  # carry_pages: the last choice's pages per KV head
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
@@ -32,19 +93,19 @@ class DCISelector(HeadIndexes):
         self.carried = None  # a new index: nothing to carry
 
     def new_index(self, head: int, capacity: int) -> DCITree:
-        return DCITree(self.head_dim, self.spec.index, capacity=capacity)
+        return DCITree(self.head_dim, self.tree, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
-        ranked = self.carry(self.select_pages(queries, max(max_pages, self.spec.carry_pages), wide, self.carried))
-        return ranked if self.spec.carry_pages <= max_pages else [p[:max_pages] for p in ranked]
+        ranked = self.carry(self.select_pages(queries, max(max_pages, self.settings.carry_pages), wide, self.carried))
+        return ranked if self.settings.carry_pages <= max_pages else [p[:max_pages] for p in ranked]
 
     def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """A sparse prefill's choice (a chunk, or one of the prompt's last steps): the tree's
         pages, with ``prefill_beam`` (nodes per level, when set) widening the search to at least
         that beam."""
         n = max((tree.n for tree in self.indexes), default=0)
-        if self.spec.prefill_beam and n:  # nodes per level, as a share of the keys
-            wide = max(wide, self.spec.prefill_beam / n)
+        if self.settings.prefill_beam and n:  # nodes per level, as a share of the keys
+            wide = max(wide, self.settings.prefill_beam / n)
         return self.carry(self.select_pages(queries, max_pages, wide))
 
     def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0,
@@ -57,9 +118,13 @@ class DCISelector(HeadIndexes):
 
     def carry(self, pages: list[np.ndarray]) -> list[np.ndarray]:
         """Remember ``pages`` (a search's ranked tree pages per KV head) for the next search."""
-        if self.spec.carry_pages > 0:
+        if self.settings.carry_pages > 0:
             self.carried = pages
         return pages
+
+    @property
+    def rest_estimate(self) -> bool:
+        return self.settings.rest_estimate
 
     @property
     def has_tree(self) -> bool:

@@ -7,7 +7,7 @@ for good (H2O evicts, it does not recall). Sink and window are the method's rece
 
 Where this differs from the paper's: past ``PROMPT_QUERIES`` prompt tokens, the prompt's share
 is estimated from about that many query positions on a uniform grid over the prompt (each
-weighted by the stretch of positions it stands for) plus its last ``spec.observation`` queries;
+weighted by the stretch of positions it stands for) plus its last ``observation`` queries (``ObservationSettings``);
 a decode step's weights are normalized over the kept tokens (the sink's and window's share left
 out); a token leaving the window is credited with what the last ``window + page`` decode queries
 gave it, again over the kept tokens and it. Scores are summed over a GQA group's query heads.
@@ -19,6 +19,7 @@ import numpy as np
 import torch
 
 from .base import register
+from .snapkv import ObservationSettings
 from .token_base import TokenSelector
 from .tokens import QueryGrid, group_weights, top_tokens
 
@@ -51,12 +52,13 @@ def prompt_scores(queries: np.ndarray, positions: np.ndarray, weights: np.ndarra
 
 @register("h2o")
 class H2OSelector(TokenSelector):
+    Settings = ObservationSettings
     waits_for_queries = True  # the prompt's queries score the prompt's tokens
     budget_in_index = True  # tokens evicted for one budget are gone
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.grid = QueryGrid(PROMPT_QUERIES, spec.observation)  # the prompt's queries
+        self.grid = QueryGrid(PROMPT_QUERIES, self.settings.observation)  # the prompt's queries
         self.acc: list[np.ndarray] = []  # per KV head: accumulated score per host row
         self.alive: list[np.ndarray] = []  # per KV head: not evicted
         self.kept: list[np.ndarray] = []  # per KV head: the current kept rows
@@ -74,7 +76,7 @@ class H2OSelector(TokenSelector):
         keys = keys.detach().float().cpu().numpy()  # (H, T, d) at their positions
         H, T, _ = keys.shape
         q, pos, weights = self.grid.arrays(T)
-        self.grid = QueryGrid(PROMPT_QUERIES, self.spec.observation)
+        self.grid = QueryGrid(PROMPT_QUERIES, self.settings.observation)
         G = q.shape[0] // H if len(pos) else 1
         self.first_row = lo
         self.window_acc = np.zeros((H, T))

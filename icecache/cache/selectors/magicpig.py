@@ -20,6 +20,8 @@ head_dim 64 and thousands of keys it samples a few hundred keys per query.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .base import register
@@ -93,8 +95,23 @@ class LSHTables:
         return count
 
 
+@dataclass(frozen=True)
+class LSHSettings:
+    """MagicPIG's hashing: ``lsh_tables`` tables of ``lsh_bits`` hyperplanes; a key is sampled
+    for a query that it meets in at least ``lsh_min_hits`` of them."""
+
+    lsh_bits: int = BITS
+    lsh_tables: int = TABLES
+    lsh_min_hits: int = MIN_HITS
+
+    def __post_init__(self):
+        if not 1 <= self.lsh_bits <= 30 or self.lsh_tables < 1 or not 1 <= self.lsh_min_hits <= self.lsh_tables:
+            raise ValueError("lsh_bits must be from 1 to 30, lsh_tables >= 1, lsh_min_hits from 1 to lsh_tables")
+
+
 @register("magicpig")
 class MagicPIGSelector(TokenSelector):
+    Settings = LSHSettings
     estimates = True
 
     def prepared(self, prompt_keys, lo: int, hi: int, mid: np.ndarray) -> None:
@@ -102,7 +119,7 @@ class MagicPIGSelector(TokenSelector):
         rng = np.random.default_rng(0)
         self.tables = []
         for h in range(H):
-            planes = rng.standard_normal((TABLES, BITS, d)).astype(np.float32)
+            planes = rng.standard_normal((self.settings.lsh_tables, self.settings.lsh_bits, d)).astype(np.float32)
             centre = mid[h].mean(0) if n else np.zeros(d, np.float32)
             t = LSHTables(planes, centre.astype(np.float32))
             t.add(mid[h])
@@ -120,14 +137,15 @@ class MagicPIGSelector(TokenSelector):
             self._keep(head, union, np.zeros((len(queries), len(union)), np.float32))
             return union
         counts = np.stack([t.hits(q) for q in queries])  # (G, n)
-        hit = counts >= MIN_HITS
+        hit = counts >= self.settings.lsh_min_hits
         union = np.flatnonzero(hit.any(axis=0))
         if len(union) > take:
             union = union[top_tokens(counts[:, union].max(axis=0).astype(np.float64), take)]
         centred = keys[union] - t.centre
         cos = (queries @ centred.T) / (np.linalg.norm(queries, axis=1)[:, None]
                                        * np.linalg.norm(centred, axis=1)[None, :] + 1e-12)
-        bias = -np.log(sample_probability(cos))
+        lsh = self.settings
+        bias = -np.log(sample_probability(cos, lsh.lsh_bits, lsh.lsh_tables, lsh.lsh_min_hits))
         bias[~hit[:, union]] = -np.inf  # a query head uses its own samples only
         self._keep(head, union, bias.astype(np.float32))
         return union

@@ -13,6 +13,8 @@ rank tokens by their summed softmax weights over the approximate scores.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 from .base import register
@@ -86,15 +88,32 @@ class PQCodes:
         return out
 
 
+@dataclass(frozen=True)
+class PQSettings:
+    """PQCache's codes: ``pq_subspaces`` sub-vectors per key, ``2**pq_bits`` centroids each."""
+
+    pq_subspaces: int = SUBSPACES
+    pq_bits: int = BITS
+
+    def __post_init__(self):
+        if self.pq_subspaces < 1 or not 1 <= self.pq_bits <= 12:
+            raise ValueError("pq_subspaces must be >= 1 and pq_bits from 1 to 12")
+
+
 @register("pqcache")
 class PQCacheSelector(TokenSelector):
+    Settings = PQSettings
+
+    def codes(self, keys: np.ndarray, head: int) -> PQCodes:
+        return PQCodes(keys, self.settings.pq_subspaces, self.settings.pq_bits, seed=head)
+
     def prepared(self, prompt_keys, lo: int, hi: int, mid: np.ndarray) -> None:
-        self.pq = [PQCodes(mid[h], seed=h) for h in range(mid.shape[0])]
+        self.pq = [self.codes(mid[h], h) for h in range(mid.shape[0])]
 
     def added(self, head: int, ids: np.ndarray, keys: np.ndarray) -> None:
         pq = self.pq[head]
         if not pq.books:  # nothing was offloaded at the prompt: train on what arrives first
-            self.pq[head] = PQCodes(self.keys[head].all(), seed=head)
+            self.pq[head] = self.codes(self.keys[head].all(), head)
         else:
             pq.add(keys)
 

@@ -3,6 +3,8 @@ middle tokens; the chosen tokens, cut into pages in token order, stay selected."
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
@@ -69,12 +71,25 @@ def snap_votes(obs_q, keys, sink: int, mid: int, scale: float):
     return out
 
 
+@dataclass(frozen=True)
+class ObservationSettings:
+    """SnapKV's and H2O's: the prompt's last ``observation`` queries vote (SnapKV) or are each
+    counted (H2O); the shared prefill records as many (``icecache.cache.record``)."""
+
+    observation: int = 32
+
+    def __post_init__(self):
+        if not 1 <= self.observation <= 1024:
+            raise ValueError("observation must be a whole number from 1 to 1024")
+
+
 @register("snapkv")
 class SnapKVSelector(HeadIndexes):
-    budget_in_index = True  # the votes chose budget_pages pages per head at build
-    """Keeps the prompt's last ``spec.observation`` queries (:meth:`observe`) until the prompt
+    """Keeps the prompt's last ``observation`` queries (:meth:`observe`) until the prompt
     is offloaded; those queries' votes choose the ``budget_pages`` pages of every head."""
 
+    Settings = ObservationSettings
+    budget_in_index = True  # the votes chose budget_pages pages per head at build
     waits_for_queries = True
 
     def __init__(self, spec):
@@ -83,7 +98,7 @@ class SnapKVSelector(HeadIndexes):
         self.votes: np.ndarray | None = None
 
     def observe(self, queries: torch.Tensor, positions=None) -> None:
-        self.queries = queries[:, -self.spec.observation :].detach()
+        self.queries = queries[:, -self.settings.observation :].detach()
 
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
               middle: torch.Tensor | None = None) -> None:
