@@ -394,7 +394,7 @@ class Session:
             if run.positions != "true" or prefix >= cut:
                 return 0, None
             return prefix, self.doc_cache
-        if m.cache != "paged" or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
+        if not m.cache.saves_state or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
             return 0, None
         # The state at the document's end depends neither on what follows it (one entry serves a
         # summary and questions of any length) nor on the decode budget while that fits in the
