@@ -412,8 +412,7 @@ class Session:
 
     def _save_prefix(self, ids: list[int], dc) -> None:
         dtype = self.loaded.model.dtype
-        if any(getattr(layer, "keys", None) is not None and layer.keys.dtype != dtype
-               for layer in self.cache.layers):
+        if any(layer.keys is not None and layer.keys.dtype != dtype for layer in self.cache.layers):
             return  # keys already taken to a decode dtype (dense_kv) are not the prompt's exact ones
         if dc is self.doc_cache:  # a full prefill: every layer's keys and values (a window layer's window)
             windows = [layer.sliding_window if layer.is_sliding else 0 for layer in self.cache.layers]

@@ -43,6 +43,8 @@ def sorted_member(x: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 class ResidentKV:
+    _rows_scratch: tuple[np.ndarray, np.ndarray] | None = None  # :meth:`_scratch`'s arrays, made on first use
+
     def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
                  sink_cap: int, page_size: int, pool_pages: int, window_cap: int, pinned_slots: int = 0):
         self.backend, self.heads, self.head_dim, self.dtype = backend, heads, head_dim, dtype
@@ -219,7 +221,7 @@ class ResidentKV:
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Two int64 arrays of at least ``n`` rows, kept for the next step."""
-        got = getattr(self, "_rows_scratch", None)
+        got = self._rows_scratch
         if got is None or got[0].shape[0] < n:
             got = self._rows_scratch = (np.empty(n, np.int64), np.empty(n, np.int64))
         return got
