@@ -54,4 +54,4 @@ __all__ = ["DENSE", "METHODS", "OMNIKV_FILTERS", "ORACLE", "PAGED", "SDPA", "Cac
            "anchor_layers", "check_method", "check_prefill", "dense_clamp", "dense_kv_dtype", "dense_plan",
            "full_prefill_bytes", "get", "host_dtype", "ice_spec", "make_cache", "method_help", "names",
            "plan_run", "positions", "prefill_mode", "prepare_model", "prompt_half", "reads_prompt_queries",
-           "set_rope"]
+           "set_rope", "tail_steps"]

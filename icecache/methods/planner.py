@@ -162,3 +162,18 @@ def dense_clamp(model: Any, tokens: int, prompt_tokens: int | None) -> Any:
     return frame if prompt_tokens <= frame.trained < tokens else None
 
 
+def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
+    """How many of a prompt's last tokens a prefill runs one at a time, as decode steps.
+
+    In a sparse prefill a chunk's pages are chosen by a few of its positions, so the prompt's
+    end (the question, the instruction, whose last position gives the first answer token) would
+    see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
+    through the decode step instead, each choosing its own pages (``tail_budget`` tokens of them,
+    whatever the decode budget): in 32k passkey cases that the chunked tail missed, the same
+    tokens as decode steps found the key (docs/results.md, "Accuracy beyond the trained
+    context"). A full prefill attends to everything and needs none. At least one token is left
+    to the chunks.
+    """
+    if prefill != "sparse":
+        return 0
+    return max(0, min(2 * prefill_queries, tokens - 1))
