@@ -103,19 +103,13 @@ class Evaluator:
         if ahead is not None:
             return ahead
         self._siblings = list(siblings)
-        if cell.task == "passkey":
-            return self._passkey(cell)
-        if cell.task == "fidelity":
-            return self._fidelity(cell)
-        if cell.task in ruler.TASKS:
-            return self._ruler(cell)
-        if cell.task == "gsm8k":
-            return self._gsm8k(cell)
-        if cell.task == "longbench":
-            return self._longbench(cell)
-        if cell.task in suite.KINDS:
-            return self._suite(cell)
-        raise ValueError(cell.task)
+        named = {"passkey": self._passkey, "fidelity": self._fidelity, "gsm8k": self._gsm8k,
+                 "longbench": self._longbench}
+        run = named.get(cell.task) or (self._ruler if cell.task in ruler.TASKS else
+                                       self._suite if cell.task in suite.KINDS else None)
+        if run is None:
+            raise ValueError(cell.task)
+        return run(cell)
 
     def _suite(self, cell: Cell) -> dict:
         """A prompt suite kind: each case's document asked through the product's own qa or cot
