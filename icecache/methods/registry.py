@@ -84,7 +84,7 @@ def anchor_layers(method: Method, num_layers: int, dense_layers: int) -> frozens
 def reads_prompt_queries(method: Method) -> bool:
     """Whether the method's selector reads the prompt's queries (SnapKV's vote, H2O's scores):
     its prefill is more than keys and values."""
-    from .cache.selectors import SELECTORS
+    from ..cache.selectors import SELECTORS
 
     return method.selector is not None and SELECTORS[method.selector].waits_for_queries
 
