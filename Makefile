@@ -21,7 +21,7 @@ STAMP = $(VENV)/.icecache-installed
 # the kernels compiled by the warm-up: again whenever a kernel file changes (numba's cache folder
 # follows their sources, icecache/numba_cache.py)
 WARM = $(VENV)/.icecache-warm
-KERNELS = icecache/numba_cache.py icecache/cache/kernels.py $(wildcard icecache/index/kernels/*.py)
+KERNELS = icecache/numba_cache.py icecache/cache/kernels.py icecache/cache/score_kernels.py $(wildcard icecache/index/kernels/*.py)
 
 .PHONY: setup demo test test-slow lint bench clean-venv
 

@@ -96,3 +96,17 @@ def end_token_ids(tokenizer: Any, model_type: str) -> set[int]:
     the prompts use: a base model may still close a turn with them)."""
     vocab = tokenizer.get_vocab()
     return {vocab[t] for fam in FAMILIES if model_type in fam.model_types for t in fam.ends if t in vocab}
+
+
+def stop_token_ids(loaded: Any) -> set[int]:
+    """Where a reply ends: the end tokens of the model's generation config and tokenizer, and its
+    family's end-of-turn tokens (a GGUF's config names ``<eos>`` alone, Gemma replies end with
+    ``<end_of_turn>``)."""
+    ids: set[int] = set()
+    for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return ids | loaded.end_ids

@@ -16,10 +16,12 @@ import torch
 
 from .cache import IceCache
 from .cache.window import seen
+from .chat import stop_token_ids
 from .config import Settings
+from .doc_prefix import DocPrefixes
 from .fast_step import fast_step_for
 from .memory import return_freed
-from .methods import dense_plan, make_cache, plan_run, prepare_model, prompt_half
+from .methods import dense_plan, make_cache, plan_run, prepare_model, prompt_half, tail_steps
 from .models import LoadedModel
 from .weights import prompt_products
 
@@ -50,20 +52,6 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
     return i
 
 
-def stop_token_ids(loaded: LoadedModel) -> set[int]:
-    """Where a reply ends: the end tokens of the model's generation config and tokenizer, and its
-    family's end-of-turn tokens (a GGUF's config names ``<eos>`` alone, Gemma replies end with
-    ``<end_of_turn>``)."""
-    ids: set[int] = set()
-    for source in (getattr(loaded.model, "generation_config", None), loaded.tokenizer):
-        value = getattr(source, "eos_token_id", None)
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return ids | loaded.end_ids
-
-
 def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) -> torch.Tensor:
     """``logits`` (vocab,) with the tokens in ``previous`` made less likely by ``penalty``."""
     idx = torch.tensor(sorted(set(previous)), dtype=torch.long, device=logits.device)
@@ -76,23 +64,6 @@ def penalize_repeats(logits: torch.Tensor, previous: list[int], penalty: float) 
 def chunk_bounds(lo: int, hi: int, chunk: int) -> list[tuple[int, int]]:
     """Prefill chunks of tokens ``lo .. hi-1``, ``chunk`` tokens each (the last may be shorter)."""
     return [(a, min(a + chunk, hi)) for a in range(lo, hi, chunk)]
-
-
-def tail_steps(prefill: str, prefill_queries: int, tokens: int) -> int:
-    """How many of a prompt's last tokens a prefill runs one at a time, as decode steps.
-
-    In a sparse prefill a chunk's pages are chosen by a few of its positions, so the prompt's
-    end (the question, the instruction, whose last position gives the first answer token) would
-    see pages chosen mostly for other positions. Its last ``2 x prefill_queries`` tokens go
-    through the decode step instead, each choosing its own pages (``tail_budget`` tokens of them,
-    whatever the decode budget): in 32k passkey cases that the chunked tail missed, the same
-    tokens as decode steps found the key (docs/results.md, "Accuracy beyond the trained
-    context"). A full prefill attends to everything and needs none. At least one token is left
-    to the chunks.
-    """
-    if prefill != "sparse":
-        return 0
-    return max(0, min(2 * prefill_queries, tokens - 1))
 
 
 @dataclass
@@ -143,7 +114,7 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
                      out.logits[0, -1], seconds, dict(queries), dict(grids))
 
 
-class Session:
+class Session(DocPrefixes):
     def __init__(self, loaded: LoadedModel, settings: Settings, method: str = "full"):
         self.loaded = loaded
         self.settings = settings
@@ -328,7 +299,7 @@ class Session:
         """Bring the cache to prompt ``ids`` (reusing a cached prefix where it can); return the
         logits at the last prompt position and the stats so far.
 
-        A sparse prefill runs the prompt's last tokens as decode steps (:func:`tail_steps`).
+        A sparse prefill runs the prompt's last tokens as decode steps (:func:`~.methods.tail_steps`).
         ``hold_tail``: stop before them and return ``None`` logits; :meth:`finish_prefill` runs
         them (a :meth:`fork` taken in between carries them; bench measures the chunks' resident
         memory there)."""
@@ -372,96 +343,6 @@ class Session:
         if hold_tail:
             return None, stats
         return self.finish_prefill(stats), stats
-
-    # The most prompt tokens after a document that a sparse prefill with the document cache runs
-    # as decode steps (so that the saved state ends where the document does).
-    DOC_TAIL_MAX = 256
-
-    def _doc_plan(self, prefix: int, start: int, cut: int, total: int):
-        """Where this run's prompt is saved to / loaded from the document cache, and the cache's
-        view for it: (0, None) when not. A full prefill's entry is the dense KV of the shared
-        prefix (the same for every method); a sparse prefill's is the cache's whole state (host
-        store, index, window: :mod:`.cache.state`), for this method and these exact settings.
-        Not for SnapKV or H2O (their selection also reads the prompt's queries) nor remapped
-        positions in a full prefill."""
-        from .methods import get, reads_prompt_queries
-
-        run, m = self.run_settings, get(self.method)
-        if (self.doc_cache is None or prefix < max(1, self.doc_min_tokens) or prefix <= start
-                or prefix >= total or reads_prompt_queries(m)):
-            return 0, None
-        if run.prefill == "full":
-            if run.positions != "true" or prefix >= cut:
-                return 0, None
-            return prefix, self.doc_cache
-        if m.cache != "paged" or (prefix >= cut and total - prefix > self.DOC_TAIL_MAX) or start:
-            return 0, None
-        # The state at the document's end depends neither on what follows it (one entry serves a
-        # summary and questions of any length) nor on the decode budget while that fits in the
-        # chunks' pool (``IceCache.forked``'s rule: the same pool size): pages are re-selected.
-        from .doc_cache import SHAPING_IF_SET, STATE_NEUTRAL
-
-        budget = 0 if run.budget <= run.prefill_budget else run.budget
-        settings = {k: v for k, v in run.replace(budget=budget).as_dict().items()
-                    if SHAPING_IF_SET.get(k, object()) != v  # later settings at their defaults: left out
-                    and k not in STATE_NEUTRAL}
-        # "state" counts the layouts of a saved layer: a layout change makes older entries unseen
-        # (2: an ice layer's answer passages in one object)
-        kind = {"state": 2, "method": self.method, "settings": settings}
-        return prefix, self.doc_cache.with_kind(kind)
-
-    def _save_prefix(self, ids: list[int], dc) -> None:
-        dtype = self.loaded.model.dtype
-        if any(getattr(layer, "keys", None) is not None and layer.keys.dtype != dtype
-               for layer in self.cache.layers):
-            return  # keys already taken to a decode dtype (dense_kv) are not the prompt's exact ones
-        if dc is self.doc_cache:  # a full prefill: every layer's keys and values (a window layer's window)
-            windows = [layer.sliding_window if layer.is_sliding else 0 for layer in self.cache.layers]
-            dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers], windows)
-            return
-        from .cache.state import save_layers
-
-        try:
-            skeleton, tensors = save_layers(self.cache)
-        except Exception as exc:  # noqa: BLE001  (an unsaveable state never fails the task)
-            dc.warn(f"document cache: not saved ({exc})")
-            return
-        dc.save_entry(ids, lambda: tensors, {"skeleton": skeleton})
-
-    def _load_prefix(self, ids: list[int], limit: int, start: int, cut: int, dc) -> bool:
-        """Load the longest saved prefix of ``ids`` (at most ``limit`` tokens, more than the
-        ``start`` tokens already cached) into a fresh cache; False when there is none."""
-        n = dc.find(ids, limit)
-        if n <= start:
-            return False
-        device = self.loaded.model.device
-        if dc is self.doc_cache:
-            kv = dc.load(ids[:n], device)
-            if kv is None:
-                return False
-            self.cache = self._new_cache(len(ids))
-            if self.ice is not None:
-                self.ice.begin_prefill(cut, tail=len(ids) - cut)
-            for i, (k, v) in enumerate(kv):
-                self.cache.update(k, v, i)
-                seen(self.cache.layers[i], n)  # a window layer's entry holds its window of the prefix
-        else:
-            from .cache.state import load_layers
-
-            got = dc.load_entry(ids[:n], "cpu")
-            if got is None:
-                return False
-            cache = self._new_cache(len(ids))
-            try:
-                load_layers(cache, got[0]["skeleton"], got[1])
-            except Exception as exc:  # noqa: BLE001
-                dc.warn(f"document cache: entry not used ({exc}); prefilling again")
-                self.cache = self._new_cache(len(ids))
-                return False
-            self.cache = cache
-            self.cache.begin_prefill(cut - n, tail=len(ids) - cut)
-        self.cached_ids = list(ids[:n])
-        return True
 
     @torch.inference_mode()
     def finish_prefill(self, stats: GenerationStats | None = None) -> torch.Tensor:

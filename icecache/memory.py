@@ -51,48 +51,25 @@ def kv_shape(model_config) -> tuple[int, int, int]:
 
 
 def need_bytes(method: str, model_config, settings: Settings, tokens: int, extra: int = 0) -> Need:
-    """What ``method`` allocates for ``tokens`` prompt and generated tokens (an estimate)."""
+    """What ``method`` allocates for ``tokens`` prompt and generated tokens (an estimate; each
+    cache kind's :meth:`~icecache.methods.kinds.CacheKind.memory`)."""
     from .cache.window import window_sizes
     from .methods import get
+    from .methods.kinds import KVSizes
 
     m = get(method)
     layers, heads, head_dim = kv_shape(model_config)
-    per_layer_token = 2 * heads * head_dim * DTYPE_BYTES[settings.dtype]  # keys and values
-    layer = per_layer_token * tokens
-    grown = per_layer_token * max(tokens + 256, tokens * 9 // 8)  # a growing buffer's capacity
-    on_device = settings.device != "cpu"
+    per_token = 2 * heads * head_dim * DTYPE_BYTES[settings.dtype]  # keys and values
     # a sliding-window layer holds its window (and a chunk passing through) under every method;
-    # the rest below counts the global layers
+    # the kinds count the global layers
     windows = window_sizes(model_config, layers)
-    windowed = sum(per_layer_token * min(tokens, w + settings.chunk_size) for w in windows if w)
-    dense_global = sum(1 for i, w in enumerate(windows) if not w and i < settings.dense_layers)
-    layers = sum(1 for w in windows if not w)
-    if m.cache == "sdpa":  # torch.cat of each new step: the old and the new tensor of one layer
-        dev = layers * layer + layer + windowed
-    elif m.cache in ("dense", "oracle"):  # spare capacity, and one layer copied when it grows
-        dev = layers * grown + layer + windowed
-        if m.cache == "oracle" and m.oracle_per == "query":
-            dev += layer  # per query head scores of a layer
-    else:
-        dense = dense_global
-        sparse = layers - dense
-        page = settings.page_size
-        resident = (settings.sink_pages + settings.window_pages + 1) * page + max(
-            settings.budget if m.budgeted else 0, settings.prefill_budget if settings.prefill == "sparse" else 0)
-        pools = sparse * per_layer_token * (resident + (settings.chunk_size if settings.prefill == "sparse" else 0))
-        dev = dense * grown + pools + windowed
-        host_item = DTYPE_BYTES[_host_dtype(settings)]
-        host = sparse * 2 * heads * head_dim * host_item * tokens
-        per_key = {"dci": INDEX_BYTES_PER_KEY, "quest": QUEST_BYTES_PER_KEY}.get(m.selector or "", 0)
-        host += sparse * heads * per_key * tokens
-        return _split(dev, host + extra, on_device)
-    return _split(dev, extra, on_device)
-
-
-def _host_dtype(settings: Settings) -> str:
-    from .methods import host_dtype
-
-    return host_dtype(settings) or settings.dtype
+    sizes = KVSizes(layer=per_token * tokens, grown=per_token * max(tokens + 256, tokens * 9 // 8),
+                    windowed=sum(per_token * min(tokens, w + settings.chunk_size) for w in windows if w),
+                    per_token=per_token, global_layers=sum(1 for w in windows if not w),
+                    dense_global=sum(1 for i, w in enumerate(windows) if not w and i < settings.dense_layers),
+                    heads=heads, head_dim=head_dim, tokens=tokens)
+    device, host = m.cache.memory(m, sizes, settings)
+    return _split(device, host + extra, settings.device != "cpu")
 
 
 def _split(device: int, host: int, on_device: bool) -> Need:

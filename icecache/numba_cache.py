@@ -22,6 +22,7 @@ PACKAGE = Path(__file__).resolve().parent
 # Every icecache module that compiles numba kernels (tests/test_numba_cache.py keeps this whole).
 KERNEL_FILES = (
     "cache/kernels.py",
+    "cache/score_kernels.py",
     "index/kernels/build.py",
     "index/kernels/pages.py",
     "index/kernels/query.py",

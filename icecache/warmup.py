@@ -69,14 +69,8 @@ def compile_cache() -> None:
     """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
     the dense decode scores (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement."""
-    from .cache.kernels import (
-        choose_tokens,
-        dense_scores,
-        half_scores,
-        ordered_offsets_nb,
-        place_rows,
-        plan_head,
-    )
+    from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
+    from .cache.score_kernels import dense_scores, half_scores
 
     S, P = 4, 2
     members = np.arange(16, dtype=np.int32).reshape(4, S)

@@ -45,7 +45,7 @@ def evaluate(
     quiet: Annotated[bool, typer.Option("--quiet", help="Nothing on stderr but errors.")] = False,
 ) -> None:
     """Score methods on locally generated tasks (no downloads)."""
-    from icecache.evals import runner
+    from icecache.evals import records, runner
     from icecache.methods import check_prefill
     from icecache.models import load_model
 
@@ -111,10 +111,10 @@ def evaluate(
                   "data": data, "settings": settings.as_dict(), "model": model or "embedded",
                   "depths": depth_list, "wordings": own_wordings}
         if out is not None:
-            runner.check_resumable(out, config)
+            records.check_resumable(out, config)
             out.mkdir(parents=True, exist_ok=True)
             (out / "config.json").write_text(json.dumps(config, indent=1))
-        done = runner.load_done(out)
+        done = records.load_done(out)
         loaded = load_model(model, settings, log=rep.info)
         ev = runner.Evaluator(loaded, settings, n, seed, new_tokens, log=rep.info, data=data,
                               depths=depth_list, out=out, variants=variants, wordings=own_wordings)
@@ -128,7 +128,7 @@ def evaluate(
             result = ev.run(cell, [c for c in all_cells[i + 1:] if c.key() not in done])
             row = {"task": cell.task, "method": cell.method, "budget": cell.budget,
                    "length": cell.length, **({"prompt": cell.prompt} if cell.prompt else {}), **result}
-            runner.append(out, row)
+            records.append(out, row)
             rows.append(row)
             rep.progress("cells", i + 1, len(all_cells))
         rep.close()

@@ -85,7 +85,7 @@ def test_half_scores_equal_the_reference_product(dtype):
     """The kernel's conversion of 16-bit rows against torch's: signs, zeros and magnitudes over
     the float16 range's normal values (1e-4 .. 6e4), rows 0 .. n-1 of a longer buffer, several
     parallel blocks and a partial one; a query group of 4 heads."""
-    from icecache.cache.kernels import HALF_BLOCK, half_scores
+    from icecache.cache.score_kernels import HALF_BLOCK, half_scores
 
     rng = np.random.default_rng(5)
     H, G, d, n = 2, 4, 16, 2 * HALF_BLOCK + 37

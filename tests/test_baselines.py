@@ -67,7 +67,7 @@ def test_methods_are_registered_with_their_properties(cpu_settings):
 
     for name in NEW:
         m = methods.get(name)
-        assert m.cache == "paged" and m.selector == name and m.budgeted
+        assert m.cache is methods.PAGED and m.selector == name and m.budgeted
     assert methods.reads_prompt_queries(methods.get("h2o"))
     assert methods.reads_prompt_queries(methods.get("snapkv"))
     assert not methods.reads_prompt_queries(methods.get("pqcache"))

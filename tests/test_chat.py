@@ -6,8 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from icecache.chat import adopt_template, end_token_ids
-from icecache.generation import stop_token_ids
+from icecache.chat import adopt_template, end_token_ids, stop_token_ids
 from icecache.models import LoadedModel
 from icecache.prompts import qa_messages, render
 

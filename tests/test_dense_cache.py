@@ -30,7 +30,7 @@ def test_dense_decode_matches_the_reference(H, G, dtype):
 def test_dense_scores_kernel_matches_the_product(G):
     """numba's scores over the first n rows of a larger buffer against q @ k.T (every G: the
     kernel takes the group four queries at a time)."""
-    from icecache.cache.kernels import dense_scores
+    from icecache.cache.score_kernels import dense_scores
 
     rng = np.random.default_rng(G)
     q = rng.standard_normal((2, G, 24)).astype(np.float32)
@@ -45,7 +45,7 @@ def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
     """The numba path of dense_decode (long caches on CPU) against its matrix products
     (dense_decode_reference), on a view of the first T rows of a larger buffer; a layout it
     cannot read in place (rows not contiguous) takes the products."""
-    from icecache.cache import dense, kernels
+    from icecache.cache import dense, score_kernels
 
     torch.manual_seed(T)
     q = torch.randn(1, 6, 1, 32)
@@ -54,8 +54,8 @@ def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
     ref = dense.dense_decode_reference(q, k, v, 0.2)
     monkeypatch.setattr(dense, "DENSE_KERNEL_MIN", 1)
     called = []
-    real = kernels.dense_scores
-    monkeypatch.setattr(kernels, "dense_scores", lambda *a: called.append(1) or real(*a))
+    real = score_kernels.dense_scores
+    monkeypatch.setattr(score_kernels, "dense_scores", lambda *a: called.append(1) or real(*a))
     got = dense.dense_decode(q, k, v, 0.2)
     assert called == [1]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from icecache.errors import UsageError
-from icecache.evals import fidelity, passkey, runner
+from icecache.evals import fidelity, passkey, records, runner
 
 from .conftest import run_cli
 
@@ -54,10 +54,10 @@ def test_fidelity_of_full_to_itself_and_of_a_tiny_budget(loaded, cpu_settings):
 def test_cells_and_resume(tmp_path):
     cells = runner.cells(["passkey"], ["full", "ice", "streaming"], [64, 256], [1000])
     assert [(c.method, c.budget) for c in cells] == [("full", 0), ("ice", 64), ("ice", 256), ("streaming", 0)]
-    runner.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000, "score": 1.0, "n": 1})
+    records.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000, "score": 1.0, "n": 1})
     with open(tmp_path / "results.jsonl", "a") as f:
         f.write('{"task": "passkey", "meth')  # a line cut by a kill
-    done = runner.load_done(tmp_path)
+    done = records.load_done(tmp_path)
     assert list(done) == [("passkey", "full", 0, 1000, "")]  # (a row without a wording: the shipped one's)
     assert list(done) == [cells[0].key()]
 
@@ -106,7 +106,7 @@ def test_a_killed_eval_resumes_mid_cell_from_its_finished_cases(loaded, cpu_sett
     cases = passkey.cases(loaded.tokenizer, 400, 3, 0)
     for x, case in zip(lines, cases, strict=True):
         assert x["expected"] == [case.answer]
-        assert isinstance(x["output"], str) and len(x["output"]) <= runner.OUTPUT_CHARS
+        assert isinstance(x["output"], str) and len(x["output"]) <= records.OUTPUT_CHARS
         assert x["score"] == passkey.score(x["output"], case.answer)
     # a run killed after two cases (its second case's line cut short), with a planted score
     # that no real case gives, so that reuse shows
@@ -219,19 +219,19 @@ def test_depth_grids():
 def test_check_resumable(tmp_path):
     cfg = {"tasks": ["passkey"], "n": 10, "seed": 0, "new_tokens": 160, "data": None,
            "model": "embedded", "settings": {"budget": 256, "index_beam": 32}}
-    runner.check_resumable(tmp_path, cfg)  # empty folder: fine
+    records.check_resumable(tmp_path, cfg)  # empty folder: fine
     (tmp_path / "config.json").write_text(json.dumps(cfg))
-    runner.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000,
-                             "score": 1.0, "n": 10})
-    runner.check_resumable(tmp_path, cfg | {"tasks": ["passkey", "vt"]})  # more cells: fine
-    runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 64, "index_beam": 32}})
+    records.append(tmp_path, {"task": "passkey", "method": "full", "budget": 0, "length": 1000,
+                              "score": 1.0, "n": 10})
+    records.check_resumable(tmp_path, cfg | {"tasks": ["passkey", "vt"]})  # more cells: fine
+    records.check_resumable(tmp_path, cfg | {"settings": {"budget": 64, "index_beam": 32}})
     # a setting added by a later version: absent from the old file, not compared
-    runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 32,
-                                                         "prefill": "full"}})
+    records.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 32,
+                                                          "prefill": "full"}})
     with pytest.raises(UsageError, match="seed 0, not 1"):
-        runner.check_resumable(tmp_path, cfg | {"seed": 1})
+        records.check_resumable(tmp_path, cfg | {"seed": 1})
     with pytest.raises(UsageError, match="other settings \\(index_beam\\)"):
-        runner.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 8}})
+        records.check_resumable(tmp_path, cfg | {"settings": {"budget": 256, "index_beam": 8}})
 
 
 def test_ruler_tasks_deterministic_and_answerable(loaded):

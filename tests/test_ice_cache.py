@@ -68,6 +68,36 @@ def run_steps(model, cache, prompt: list[int], forced: list[int]) -> list[torch.
     return out
 
 
+def test_pool_and_host_store_invariants_hold_at_every_step():
+    """After every decode step of every sparse layer: the pool holds exactly the selected pages,
+    each once and at its current version (:meth:`ResidentKV.check`); the host store holds every
+    offloaded token once, in order (sink + store + window = the tokens seen)."""
+    from icecache.cache.ice_layer import IceLayer
+
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(8)
+    prompt, forced = rng.integers(0, 97, 160).tolist(), rng.integers(0, 97, 40).tolist()
+    cache = ice_cache(model, spec(budget_pages=3))
+    steps = 0
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([prompt]), past_key_values=cache, use_cache=True)
+        for t in forced:
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            for layer in cache.layers:
+                if isinstance(layer, IceLayer) and layer.offloaded:
+                    layer.wait()
+                    layer.resident.check(layer.selected, layer.selector.page_table)
+                    r = layer.resident
+                    assert r.sink_fill + layer.store.rows + r.window_fill == layer.length
+                    steps += 1
+    sparse = [layer for layer in cache.layers if isinstance(layer, IceLayer)]
+    assert sparse and steps == len(forced) * len(sparse)  # every sparse layer, every step
+    broken = sparse[0]
+    broken.resident.slot_fill[0, 0] += 1
+    with pytest.raises(AssertionError):
+        broken.resident.check(broken.selected, broken.selector.page_table)
+
+
 def ice_cache(model, s: IceSpec, dense: int = 1, reuse: int = 1) -> IceCache:
     prepare_model("ice", model)
     n = model.config.num_hidden_layers

@@ -234,7 +234,8 @@ def test_remap_with_room_for_every_page_equals_full(arch, sparse):
 
 
 def test_sparse_prefill_steps_through_the_prompt_end():
-    from icecache.generation import chunk_bounds, tail_steps
+    from icecache.generation import chunk_bounds
+    from icecache.methods import tail_steps
 
     assert chunk_bounds(0, 10, 4) == [(0, 4), (4, 8), (8, 10)]
     assert chunk_bounds(3, 5, 4) == [(3, 5)]
@@ -248,7 +249,8 @@ def test_sparse_prefill_runs_its_tail_as_decode_steps(cpu_settings, loaded, monk
     tail_budget's pages), the rest in chunks; the logits are those of the last prompt token
     either way; generated tokens select the decode budget."""
     from icecache.cache.ice_layer import IceLayer
-    from icecache.generation import Session, tail_steps
+    from icecache.generation import Session
+    from icecache.methods import tail_steps
     from icecache.textgen import generated_text
 
     asked = []  # (layer, query rows, pages) of every selection

@@ -97,7 +97,7 @@ def test_sparse_prefill_with_room_for_everything_equals_full(arch, kv_heads, reu
     ref = chunked(model, full_cache(model), prompt, forced, chunk=64)
     s = dataclasses.replace(spec(budget_pages=256), sparse_prefill=True, prefill_pages=256,
                             chunk_tokens=64, dense_window=4096)
-    s = dataclasses.replace(s, index=dataclasses.replace(s.index, beam=100_000))
+    s = dataclasses.replace(s, tuning=dataclasses.replace(s.tuning, index_beam=100_000))
     cache = ice(model, s, reuse=reuse)
     got = chunked(model, cache, prompt, forced, chunk=64)
     for a, b in zip(ref, got, strict=True):

@@ -205,7 +205,7 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
         log(f"full-attention prefill of {ctx} tokens (shared by the methods) ...")
         # the prompt's queries are kept only for a method that reads them (snapkv, h2o): keeping
         # them cost 9% of the prefill's speed at 8k, which a user's run never pays
-        observe = None if any(reads_prompt_queries(get(m)) for m in methods) else 0
+        observe = settings.tuned("observation") if any(reads_prompt_queries(get(m)) for m in methods) else 0
         pre = prefill_once(loaded, settings, ids, observation=observe, on_progress=on_progress)
         source = "full prefill (shared)"
         todo = methods

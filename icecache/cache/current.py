@@ -12,7 +12,13 @@ from __future__ import annotations
 import threading
 import weakref
 
-_state = threading.local()
+
+class _Current(threading.local):
+    def __init__(self):
+        self.cache: weakref.ref | None = None  # none recorded on this thread yet
+
+
+_state = _Current()
 
 
 def set_current(cache) -> None:
@@ -22,7 +28,7 @@ def set_current(cache) -> None:
 def current():
     """The cache whose layer was updated last on this thread (None before any, or once that
     cache is gone)."""
-    ref = getattr(_state, "cache", None)
+    ref = _state.cache
     return None if ref is None else ref()
 
 

@@ -215,7 +215,7 @@ def _half_decode(q, k, v, scaling, clamp=None):
     longer at every step paid that each time: 19.8 against 13.3 ms per step over 30 layers of 8k
     rows. The products therefore run over the rows rounded up to a multiple of ``HALF_ROWS``
     (within the buffer's capacity, whose unused rows a growing layer keeps at zero), the extra
-    rows' scores set to -inf. The scores come from numba's :func:`~.kernels.half_scores`
+    rows' scores set to -inf. The scores come from numba's :func:`~.score_kernels.half_scores`
     (bfloat16 widened by a shift, the query in float32: torch's bfloat16 scores took 52 us a head
     at 4k in the model, slower than float32's), or, for keys it cannot read in place, from torch,
     keys x query per head (on such views 4x faster than query x keys^T, which copies the keys).
@@ -229,7 +229,7 @@ def _half_decode(q, k, v, scaling, clamp=None):
         v = torch.as_strided(v, (H, padded, d), v.stride())
     bits = _rows_buffer(k[:, :T].view(torch.int16)) if k.dtype == torch.bfloat16 else None
     if bits is not None:
-        from .kernels import half_scores
+        from .score_kernels import half_scores
 
         scores = torch.empty((H, G, k.shape[1]), dtype=torch.float32)
         half_scores(q.detach().contiguous().numpy(), bits.view(np.uint16), T, True, scores.numpy())
@@ -263,8 +263,8 @@ def dense_decode(query, key, value, scaling, clamp=None):
     if (T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
             and key.dtype == torch.float32 and query.dtype == torch.float32):
         k = _rows_buffer(key[0])
-        if k is not None:  # numba scores the keys (see kernels.dense_scores); torch does the rest
-            from .kernels import dense_scores
+        if k is not None:  # numba scores the keys (see score_kernels.dense_scores); torch does the rest
+            from .score_kernels import dense_scores
 
             scores = torch.empty((H, Hq // H, T), dtype=torch.float32)
             dense_scores(q.detach().contiguous().numpy(), k, T, scores.numpy())

@@ -39,6 +39,8 @@ class HostStore:
         """Rows (heads, m, head_dim) after the filled ones; a full store grows by a quarter
         (a long document leaves little slack) or by what the rows need. A store shared with a
         copy takes its own buffers first."""
+        assert keys.shape == values.shape and keys.shape[0] == self.heads and keys.shape[2] == self.head_dim, \
+            f"rows {tuple(keys.shape)} / {tuple(values.shape)} for a store of {self.heads} heads x {self.head_dim}"
         m = keys.shape[1]
         full = self.rows + m > self.capacity
         if full or self._shared:
@@ -53,6 +55,7 @@ class HostStore:
         self.keys[:, self.rows : self.rows + m] = keys
         self.values[:, self.rows : self.rows + m] = values
         self.rows += m
+        assert self.rows <= self.capacity == self.keys.shape[1] == self.values.shape[1]
 
     def flat(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values as (heads * capacity, head_dim) rows."""

@@ -16,7 +16,17 @@ import torch
 
 from .chunked import sdpa_forward
 
-_state = threading.local()
+
+class _Recording(threading.local):
+    """This thread's recording (each thread starts with none)."""
+
+    def __init__(self):
+        self.observation = 0  # prompt-end queries kept per layer (0: not recording)
+        self.queries: dict[int, torch.Tensor] = {}
+        self.grids: dict = {}
+
+
+_state = _Recording()
 
 
 def start(observation: int) -> None:
@@ -27,16 +37,16 @@ def start(observation: int) -> None:
 
 def recorded() -> dict[int, torch.Tensor]:
     """Layer index -> (query heads, up to ``observation``, head_dim) of the last prompt tokens."""
-    return getattr(_state, "queries", {})
+    return _state.queries
 
 
 def grids() -> dict:
     """Layer index -> :class:`~.selectors.tokens.QueryGrid` of the prompt's queries."""
-    return getattr(_state, "grids", {})
+    return _state.grids
 
 
 def record_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
-    w = getattr(_state, "observation", 0)
+    w = _state.observation
     if w:
         i = module.layer_idx
         tail = query[0, :, -w:].detach()

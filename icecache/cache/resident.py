@@ -43,6 +43,8 @@ def sorted_member(x: np.ndarray, table: np.ndarray) -> np.ndarray:
 
 
 class ResidentKV:
+    _rows_scratch: tuple[np.ndarray, np.ndarray] | None = None  # :meth:`_scratch`'s arrays, made on first use
+
     def __init__(self, backend: TorchBackend, heads: int, head_dim: int, dtype: torch.dtype,
                  sink_cap: int, page_size: int, pool_pages: int, window_cap: int, pinned_slots: int = 0):
         self.backend, self.heads, self.head_dim, self.dtype = backend, heads, head_dim, dtype
@@ -132,6 +134,11 @@ class ResidentKV:
         One numba call (:func:`~.kernels.load_pool`) where it applies (:meth:`_one_call`), else
         :meth:`load_reference`, the general path it is tested against.
         """
+        main = self.pool_pages - self.pinned_slots
+        # a slot per wanted page (the plans fill free slots in order and assume there are enough)
+        assert len(selected) == self.heads and all(len(w) <= main for w in selected), \
+            f"more pages selected than the pool's {main} slots"
+        assert pinned is None or len(pinned[0]) <= self.pinned_slots, "more pinned pages than pinned slots"
         table = self._one_call(store)
         if table is None:
             return self.load_reference(selected, page_table, store, pinned)
@@ -214,7 +221,7 @@ class ResidentKV:
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Two int64 arrays of at least ``n`` rows, kept for the next step."""
-        got = getattr(self, "_rows_scratch", None)
+        got = self._rows_scratch
         if got is None or got[0].shape[0] < n:
             got = self._rows_scratch = (np.empty(n, np.int64), np.empty(n, np.int64))
         return got
@@ -225,6 +232,28 @@ class ResidentKV:
         if self.keys.device.type != "cpu":
             valid = valid.to(self.keys.device, non_blocking=True)
         return self.keys, self.values, valid
+
+    def check(self, selected: list[np.ndarray], page_table) -> None:
+        """Assert the invariants of a pool without pinned passages after :meth:`load` of
+        ``selected`` (each head's pages distinct and each resident at its current version, in
+        one slot; a slot's rows valid up to its fill; the sink and window within their rows).
+        Tests call it after each step; a step does not (a few hundred checks per token)."""
+        assert self.pinned_slots == 0, "pinned slots mask rows of the others"
+        S, main = self.page_size, self.pool_pages
+        assert 0 <= self.sink_fill <= self.pool_at and 0 <= self.window_fill <= self.window_cap
+        assert (self.slot_fill >= 0).all() and (self.slot_fill <= S).all()
+        pool_valid = self.valid[:, self.pool_at : self.window_at].reshape(self.heads, self.pool_pages, S)
+        for h, want in enumerate(selected):
+            assert len(set(want.tolist())) == len(want), f"head {h}: a page selected twice"
+            _members, count, version = page_table(h)
+            held = {}
+            for s in np.flatnonzero(pool_valid[h, :main].any(axis=1)):
+                p = int(self.slot_page[h, s])
+                assert p >= 0 and p not in held, f"head {h}: slot {s} holds page {p} twice or none"
+                held[p] = s
+                assert pool_valid[h, s].sum() == self.slot_fill[h, s] == count[p]
+            assert set(held) == set(want.tolist()), f"head {h}: resident pages differ from the selection"
+            assert all(self.slot_version[h, held[p]] == version[p] for p in held), f"head {h}: a stale page"
 
     def slots_used(self) -> tuple[int, int]:
         """(pool slots holding a page, pool slots)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from .kernels import half_scores
+from .score_kernels import half_scores
 from .selectors.tokens import TokenPages
 from .spec import SPAN_PAGES, VOTE_STEPS
 
@@ -148,7 +148,7 @@ def head_weights(queries: torch.Tensor, keys: torch.Tensor, n: int, scale: float
     """queries (H, G, d), keys (H, >= n, d) (a host store's buffer; rows 0 .. n-1 are voted
     over) -> (n,) float64: each query head's softmax over the n keys; a key's weight is its
     largest over the query heads. 16-bit keys in host memory are scored by
-    :func:`~icecache.cache.kernels.half_scores`, others by :func:`vote_scores_reference`."""
+    :func:`~icecache.cache.score_kernels.half_scores`, others by :func:`vote_scores_reference`."""
     H = keys.shape[0]
     if n == 0:
         return np.zeros(0)

@@ -217,9 +217,8 @@ class _Unpacker:
 def save_layers(cache) -> tuple[dict, dict[str, torch.Tensor]]:
     """The state of every layer of ``cache`` (after its background work): a JSON-able skeleton
     and the tensors it names."""
-    for layer in cache.layers:
-        if hasattr(layer, "wait"):
-            layer.wait()
+    for layer in cache.ice_layers():
+        layer.wait()
     p = _Packer(cache)
     layers = [{k: p.pack(x) for k, x in vars(layer).items()} for layer in cache.layers]
     return {"layers": layers, "stats": p.pack(dataclasses.asdict(cache.stats))}, p.tensors

@@ -2,12 +2,12 @@
 
 Results go to ``OUT/results.jsonl`` (one line per finished cell, flushed), next to
 ``OUT/config.json``; a rerun with the same ``--out`` skips the cells already there (and refuses
-to mix in results made with other cases or settings: :func:`check_resumable`).
+to mix in results made with other cases or settings: :func:`.records.check_resumable`). The
+files themselves are read and written by :mod:`.records`.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,6 +19,7 @@ from ..prompts import qa_messages, render, summarize_messages
 from ..textgen import generated_text
 from ..variants import base_method
 from . import fidelity, passkey, ruler, suite
+from .records import append_case, load_cases
 
 TASKS = ("passkey", *ruler.TASKS, "gsm8k", "longbench", "fidelity", *suite.KINDS)
 GROUPS = {"prompts": suite.KINDS}  # --tasks prompts: every kind of the prompt suite
@@ -102,19 +103,13 @@ class Evaluator:
         if ahead is not None:
             return ahead
         self._siblings = list(siblings)
-        if cell.task == "passkey":
-            return self._passkey(cell)
-        if cell.task == "fidelity":
-            return self._fidelity(cell)
-        if cell.task in ruler.TASKS:
-            return self._ruler(cell)
-        if cell.task == "gsm8k":
-            return self._gsm8k(cell)
-        if cell.task == "longbench":
-            return self._longbench(cell)
-        if cell.task in suite.KINDS:
-            return self._suite(cell)
-        raise ValueError(cell.task)
+        named = {"passkey": self._passkey, "fidelity": self._fidelity, "gsm8k": self._gsm8k,
+                 "longbench": self._longbench}
+        run = named.get(cell.task) or (self._ruler if cell.task in ruler.TASKS else
+                                       self._suite if cell.task in suite.KINDS else None)
+        if run is None:
+            raise ValueError(cell.task)
+        return run(cell)
 
     def _suite(self, cell: Cell) -> dict:
         """A prompt suite kind: each case's document asked through the product's own qa or cot
@@ -308,78 +303,6 @@ def _label(cell: Cell, one_method: bool) -> str:
     return f" ({cell.method}" + (f" budget {cell.budget})" if cell.budget else ")")
 
 
-# What a finished cell's score depends on besides its own (task, method, budget, length, wording).
-CASE_KEYS = ("n", "seed", "new_tokens", "data", "settings", "model", "depths", "wordings")
-
-
-def check_resumable(out: Path, config: dict) -> None:
-    """Refuse to resume into ``out`` when its results came from other cases or settings.
-
-    Cells are keyed by (task, method, budget, length) only, so results made with another ``--n``,
-    seed, data file, model or profile would otherwise be reused silently. Adding tasks, methods,
-    budgets or lengths to a run is fine.
-    """
-    cfg_path, res_path = out / "config.json", out / "results.jsonl"
-    if not (cfg_path.exists() and res_path.exists() and res_path.stat().st_size):
-        return
-    try:
-        old = json.loads(cfg_path.read_text())
-    except (OSError, json.JSONDecodeError):
-        raise UsageError(f"--out: {cfg_path} is unreadable; use another --out") from None
-    new = json.loads(json.dumps(config))  # the same JSON types as the file
-    for key in CASE_KEYS:
-        a, b = old.get(key), new.get(key)
-        if key == "settings" and isinstance(a, dict) and isinstance(b, dict):
-            # The budget is part of each cell; settings added by a later version (absent from
-            # an older run's file) take their defaults and are not compared.
-            diff = sorted(k for k in set(a) & set(b) if k != "budget" and a[k] != b[k])
-            if diff:
-                raise UsageError(f"--out: {out} holds results made with other settings "
-                                 f"({', '.join(diff)}); use another --out to keep both")
-        elif key == "wordings":
-            # a wording's label names its template: the same label must mean the same words
-            diff = sorted(k for k in set(a or {}) & set(b or {}) if a[k] != b[k])
-            if diff:
-                raise UsageError(f"--out: {out} holds results of other wordings named {', '.join(diff)}; "
-                                 "use other names or another --out")
-        elif a != b:
-            raise UsageError(f"--out: {out} holds results made with {key} {a!r}, not {b!r}; "
-                             "use another --out to keep both")
-
-
-def load_done(out: Path | None) -> dict[tuple, dict]:
-    done = {}
-    if out and (out / "results.jsonl").exists():
-        for line in (out / "results.jsonl").read_text().splitlines():
-            try:
-                r = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by a kill: that cell runs again
-            done[(r["task"], r["method"], r["budget"], r["length"], r.get("prompt", ""))] = r
-    return done
-
-
-def load_cases(out: Path | None) -> dict[tuple, float]:
-    """(cell key, case index) -> score of the cases an earlier run into ``out`` finished (a cell's
-    row is written only when all its cases are done; these let a killed run resume mid-cell)."""
-    done: dict[tuple, float] = {}
-    path = None if out is None else out / "cases.jsonl"
-    if path is None or not path.exists():
-        return done
-    for line in path.read_text().splitlines():
-        try:
-            r = json.loads(line)
-            cell = tuple(r["cell"])
-            done[(cell + ("",) * (5 - len(cell)), int(r["case"]))] = float(r["score"])  # (older rows: no wording)
-        except (json.JSONDecodeError, KeyError, TypeError, ValueError):
-            continue  # a line cut by a kill: that case runs again
-    return done
-
-
-# a case's answer as kept in cases.jsonl: enough to see what the model said, not a transcript
-OUTPUT_CHARS = 200
-
-
 def _expected(case) -> list[str] | None:
     """What a generated case's answer is scored against (passkey: the key; RULER tasks: the
     needles' values), as text; None for a case without one."""
@@ -389,27 +312,3 @@ def _expected(case) -> list[str] | None:
     if want is None:
         return None
     return [str(w) for w in want] if isinstance(want, (list, tuple)) else [str(want)]
-
-
-def append_case(out: Path | None, key: tuple, case: int, score: float, output: str | None = None,
-                expected: list[str] | None = None) -> None:
-    """One finished case in ``out``/cases.jsonl: its cell, index and score, and (generated
-    tasks) the start of the answer and what it was scored against, to see why a case failed."""
-    if out is None:
-        return
-    row = {"cell": list(key), "case": case, "score": score}
-    if output is not None:
-        row["output"] = output[:OUTPUT_CHARS]
-    if expected is not None:
-        row["expected"] = expected
-    with open(out / "cases.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()
-
-
-def append(out: Path | None, row: dict) -> None:
-    if out is None:
-        return
-    with open(out / "results.jsonl", "a") as f:
-        f.write(json.dumps(row) + "\n")
-        f.flush()

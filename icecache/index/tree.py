@@ -25,10 +25,11 @@ import numpy as np
 
 from . import kernels, walk
 from .config import IndexConfig
-from .kernels import refine as refine_kernels
+from .place import EXACT_PARENT_PAIRS as EXACT_PARENT_PAIRS  # still importable from here
+from .place import place_level
+from .refine import refine_bottom
 
 MAX_LEVELS = 12
-EXACT_PARENT_PAIRS = 1 << 24  # batch parent search by matrix product up to this many pairs
 NO_PAGES = np.empty(0, np.int32)
 
 
@@ -188,6 +189,8 @@ class DCITree:
         return self.PX[self.tok_page[ids], self.tok_slot[ids]]
 
     # -- building -----------------------------------------------------------------------------
+    # Placing a level's points (parents, pages) is in :mod:`.place`, the refinement's passes in
+    # :mod:`.refine`: both read and write this tree's arrays through the helpers below.
     def insert(self, keys: np.ndarray, positions: np.ndarray | None = None) -> np.ndarray:
         """Index a batch of keys (m, head_dim); return the pages changed (dirty) by it.
 
@@ -219,7 +222,7 @@ class DCITree:
         refine_now = bool(self.cfg.refine) and self._pending + m >= self.cfg.refine_min
         for lvl in sorted(set(levels.tolist()), reverse=True):
             at = levels == lvl
-            self._place(ids[at], lvl, rows[at], cheap=refine_now and lvl == 0 and m > 64)
+            place_level(self, ids[at], lvl, rows[at], cheap=refine_now and lvl == 0 and m > 64)
         if self.cfg.refine:
             # Small batches (a decode step's evicted page) wait until refine_min keys arrived.
             self._touched.append(np.unique(self.parent[ids[levels == 0]]))
@@ -253,107 +256,7 @@ class DCITree:
         parents whose children changed (and ``nodes``) get their pages cut again; changed pages
         are marked dirty. Returns how many points changed parent.
         """
-        if self.top_level < 1 or passes <= 0:
-            return 0
-        self._own()
-        level1 = np.sort(self._level_ids(1))  # their node ids are + 1
-        if not len(level1):
-            return 0
-        if nodes is None:
-            scope = level1 + 1
-        else:
-            scope = np.unique(np.asarray(nodes, np.int64))
-            scope = scope[scope > 0]
-            scope = scope[self.level[scope - 1] == 1].astype(np.int32)
-        if not len(scope):
-            return 0
-        C = min(self.cfg.refine_candidates, len(level1))
-        own = self.rows(level1)
-        ids, group = refine_kernels.node_children(scope.astype(np.int32), self.first_page, self.next_page,
-                                                  self.members, self.count)
-        centres, _ = refine_kernels.group_centres(self.rows(ids), group, self.rows(scope - 1))
-        # Candidates: the level-1 points of largest inner product with the mean (all transformed
-        # keys have the same norm, so that is the nearest), the parent itself always among them.
-        cand = np.empty((len(scope), C), np.int64)
-        for lo in range(0, len(scope), 1024):
-            sims = centres[lo : lo + 1024] @ own.T
-            cand[lo : lo + len(sims)] = level1[np.argpartition(-sims, C - 1, axis=1)[:, :C]] + 1
-        mine = scope.astype(np.int64)
-        has = (cand == mine[:, None]).any(1)
-        cand[~has, -1] = mine[~has]
-        universe = np.unique(np.concatenate([mine, cand.ravel()])).astype(np.int32)
-        # In universe indices; a parent outside the scope has only itself (its children stay).
-        cand_u = np.repeat(np.arange(len(universe))[:, None], C, axis=1)
-        cand_u[np.searchsorted(universe, mine)] = np.searchsorted(universe, cand)
-        ids, group = refine_kernels.node_children(universe, self.first_page, self.next_page, self.members,
-                                                  self.count)
-        if not len(ids):
-            return 0
-        rows = self.rows(ids)
-        own_u = self.rows(universe - 1)
-        start = group.copy()
-        row_of = np.arange(len(universe))
-        out = np.empty(len(ids), np.int64)
-        centres, _ = refine_kernels.group_centres(rows, group, own_u)
-        for _ in range(passes):
-            csq = np.einsum("ij,ij->i", centres, centres).astype(np.float32)
-            moved = refine_kernels.nearest_candidate(rows, group, cand_u, row_of, centres, csq, out)
-            group[:] = out
-            centres, _ = refine_kernels.group_centres(rows, group, own_u)
-            if not moved:
-                break
-        changed = group != start
-        recut = np.isin(universe, scope)
-        recut[group[changed]] = True
-        recut[start[changed]] = True
-        self._recut(universe[recut], ids, universe[group], rows)
-        return int(changed.sum())
-
-    def _recut(self, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray, rows: np.ndarray) -> None:
-        """Give ``pts`` (transformed keys ``rows``) their ``new_parent`` (node ids) and cut the
-        children of ``nodes`` (which hold every point whose parent changed, before and after)
-        into pages again."""
-        nodes = nodes.astype(np.int32)
-        old_pages = refine_kernels.node_pages(nodes, self.first_page, self.next_page)
-        self.parent[pts] = new_parent
-        keep = np.isin(new_parent, nodes)
-        ids, rows = pts[keep], rows[keep]
-        order = np.lexsort((self.proj[ids], self.parent[ids]))
-        ids, rows = ids[order], np.ascontiguousarray(rows[order])
-        S = self.cfg.page_size
-        _, sizes = np.unique(self.parent[ids], return_counts=True)
-        free = np.concatenate([old_pages, self._free]).astype(np.int32)
-        need = int((-(-sizes // S)).sum())
-        self._ensure_pages(max(0, need - len(free)))
-        self.first_page[nodes] = -1
-        self.node_size[nodes] = 0
-        self.npages, used = refine_kernels.attach_fresh(
-            ids, rows, self.parent[ids].astype(np.int32), free, *self._page_state(), self.npages,
-            self._similar)
-        left = free[used:]
-        self.count[left] = 0
-        self.owner[left] = -2  # retired until a later refinement fills it
-        self.next_page[left] = -1
-        self.dirty[left] = True
-        self._free = left
-
-    def _place(self, ids: np.ndarray, lvl: int, rows: np.ndarray, cheap: bool = False) -> None:
-        """Attach points of one level (transformed keys ``rows``): under the root at the top,
-        else under their parents (``cheap``: a bulk attach cuts new nodes' pages along the
-        projection whatever the page rule; a refinement cuts them again)."""
-        root = np.zeros(len(ids), np.int32)
-        if lvl > self.top_level:
-            old_top = self.top_level
-            self.top_level = lvl
-            # The root's children (the old top level) move under the new, higher level.
-            orphans, orows = self._detach_root()
-            self._attach(ids, root, rows)
-            if len(orphans):
-                self._attach(orphans, self._parents(orphans, old_top, orows), orows)
-        elif lvl == self.top_level:
-            self._attach(ids, root, rows)
-        else:
-            self._attach(ids, self._parents(ids, lvl, rows), rows, cheap)
+        return refine_bottom(self, nodes, passes)
 
     def _level_ids(self, lvl: int) -> np.ndarray:
         """Point ids of one level (upper levels only; kept as the points arrive)."""
@@ -363,85 +266,6 @@ class DCITree:
         if len(parts) > 1:
             parts[:] = [np.concatenate(parts)]
         return parts[0]
-
-    def _detach_root(self) -> tuple[np.ndarray, np.ndarray]:
-        """Retire the root's pages; return the points they held and their transformed keys
-        (the caller re-attaches them)."""
-        held, rows = [], []
-        pg = self.first_page[0]
-        while pg >= 0:
-            held.append(self.members[pg, : self.count[pg]].copy())
-            rows.append(self.PX[pg, : self.count[pg]].copy())
-            for s in range(self.count[pg]):
-                self.tok_page[self.members[pg, s]] = -1
-            self.count[pg] = 0
-            self.dirty[pg] = True
-            nxt = self.next_page[pg]
-            self.next_page[pg] = -1
-            self.owner[pg] = -2  # retired
-            pg = nxt
-        self.first_page[0] = -1
-        self.node_size[0] = 0
-        retired = np.flatnonzero(self.owner[: self.npages] == -2).astype(np.int32)
-        self._free = np.union1d(self._free, retired).astype(np.int32)  # a refinement may reuse them
-        if not held:
-            return np.empty(0, np.int32), np.empty((0, self.D), np.float32)
-        return np.concatenate(held), np.concatenate(rows)
-
-    def _parents(self, ids: np.ndarray, lvl: int, rows: np.ndarray) -> np.ndarray:
-        """Node ids of the nearest points one level up (the nearest existing higher level) for
-        points ``ids`` with transformed keys ``rows``."""
-        up = lvl + 1
-        while up <= self.top_level and not len(self._level_ids(up)):
-            up += 1
-        if up > self.top_level:
-            return np.zeros(len(ids), np.int32)
-        cand = self._level_ids(up)
-        few = len(ids) <= 256  # single inserts: exact only over a small level
-        limit = self.cfg.exact_parent_max if not few else min(self.cfg.exact_parent_max, 512)
-        # A batch (an evicted prefill chunk) against a larger level: exact through one matrix
-        # product while that stays about a GFLOP (cheaper than a tree walk per point, and exact).
-        batch = not few and len(cand) * len(ids) <= EXACT_PARENT_PAIRS
-        if len(cand) <= limit or up == self.top_level or batch:
-            out = np.empty(len(ids), np.int32)
-            C = self.rows(cand)
-            if few:
-                kernels.nearest_among(rows, C, cand, out)
-                return out + 1
-            step = max(256, (1 << 24) // max(1, len(cand)))  # a product of at most 64 MB at a time
-            for lo in range(0, len(ids), step):
-                block = rows[lo : lo + step]
-                out[lo : lo + len(block)] = cand[np.argmax(block @ C.T, axis=1)] + 1
-            return out
-        out = np.empty(len(ids), np.int32)
-        sid, ssc = self._scratch()
-        kernels.parents_by_tree(
-            rows, self.u, self.top_level, up, self.cfg.parent_beam,
-            self.cfg.visit_frac, self.PX, self.level, self.first_page, self.next_page, self.members,
-            self.count, self.lo, self.hi, self.node_size, sid, ssc, out)
-        return out
-
-    def _attach(self, ids: np.ndarray, parents: np.ndarray, rows: np.ndarray, cheap: bool = False) -> None:
-        self.parent[ids] = parents
-        if len(ids) <= 64:  # point by point: each point makes at most one page (split or first)
-            self._ensure_pages(len(ids) + 1)
-        else:  # bulk: a node without children gets ceil(c / S); any other at most one per point
-            nodes, counts = np.unique(parents, return_counts=True)
-            fresh = self.first_page[nodes] < 0
-            S = self.cfg.page_size
-            self._ensure_pages(int((-(-counts[fresh] // S)).sum() + counts[~fresh].sum()) + 1)
-        if len(ids) > 64:
-            # Bulk: children of one node in projection order; a node without children gets them
-            # as full pages (point-by-point insertion in sorted order would leave pages half full).
-            order = np.lexsort((self.proj[ids], parents))
-            self.npages = kernels.attach_sorted(
-                ids[order].astype(np.int32), np.ascontiguousarray(rows[order]),
-                parents[order].astype(np.int32), *self._page_state(), self.npages, self._similar and not cheap)
-            return
-        npages, state = self.npages, self._page_state()
-        for t, (i, p) in enumerate(zip(ids.tolist(), parents.tolist(), strict=True)):
-            npages = kernels.insert_child(i, rows[t], p, *state, npages, self._similar)
-        self.npages = npages
 
     def _page_state(self) -> tuple:
         """The arrays the page kernels (``insert_child``, ``attach_sorted``) update, in order."""

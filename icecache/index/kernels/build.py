@@ -226,6 +226,15 @@ def cut_node(node, ids, rows, free, used, npages, similar, proj, PX, members, co
 
 
 @njit(nogil=True, cache=True)
+def run_end(parents, a):
+    """The end of the run of equal ``parents`` that starts at ``a`` (children sorted by parent)."""
+    b = a
+    while b < parents.shape[0] and parents[b] == parents[a]:
+        b += 1
+    return b
+
+
+@njit(nogil=True, cache=True)
 def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner, lo, hi, dirty,
                   first_page, node_size, tok_page, tok_slot, npages, similar=False):
     """Bulk attach: ``ids`` sorted by (parent, projection), ``rows[t]`` the transformed key of
@@ -240,9 +249,7 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
     a = 0
     while a < n:
         node = parents[a]
-        b = a
-        while b < n and parents[b] == node:
-            b += 1
+        b = run_end(parents[:n], a)
         if first_page[node] >= 0:
             for t in range(a, b):
                 npages = insert_child(ids[t], rows[t], node, proj, PX, members, count, next_page, owner,

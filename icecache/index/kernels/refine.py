@@ -12,7 +12,7 @@ import numpy as np
 from numba import njit
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
-from .build import cut_node
+from .build import cut_node, run_end
 
 
 @njit(nogil=True, cache=True)
@@ -126,9 +126,7 @@ def attach_fresh(ids, rows, parents, free, proj, PX, members, count, next_page, 
     a = 0
     while a < n:
         node = parents[a]
-        b = a
-        while b < n and parents[b] == node:
-            b += 1
+        b = run_end(parents[:n], a)
         npages, used = cut_node(node, ids[a:b], rows[a:b], free, used, npages, similar, proj, PX, members,
                                 count, next_page, owner, lo, hi, dirty, first_page, tok_page, tok_slot)
         node_size[node] = b - a
