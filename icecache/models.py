@@ -254,6 +254,34 @@ def check_device(settings: Settings) -> None:
         )
 
 
+def _from_pretrained(auto: Any, source: str, dtype: Any, kwargs: dict) -> Any:
+    """The model with SDPA attention, or transformers' eager attention where its class has no SDPA
+    path (Gemma 2, whose scores are capped)."""
+    try:
+        return auto.from_pretrained(source, dtype=dtype, attn_implementation="sdpa", **kwargs)
+    except ValueError as exc:
+        if "scaled_dot_product_attention" not in str(exc):
+            raise
+    return auto.from_pretrained(source, dtype=dtype, attn_implementation="eager", **kwargs)
+
+
+def check_architecture(model: Any) -> None:
+    """Refuse, in one line naming it, an architecture icecache cannot run: every layer must be
+    full or sliding-window attention (:func:`~.cache.window.window_sizes`), with rotary position
+    embeddings (the paged cache moves keys between positions by rotating them)."""
+    from .cache.positions import RopeFrame
+    from .cache.window import window_sizes
+
+    kind = getattr(model.config, "model_type", "") or type(model).__name__
+    try:
+        window_sizes(model.config, model.config.get_text_config(decoder=True).num_hidden_layers)
+    except (ValueError, AttributeError) as exc:
+        raise ModelError(f"architecture '{kind}' is not supported: {exc}") from None
+    if RopeFrame.from_model(model) is None:
+        raise ModelError(f"architecture '{kind}' is not supported: icecache runs attention with rotary "
+                         "position embeddings (RoPE), which it does not have")
+
+
 def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
                resolved: tuple[str, str, dict, bool] | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline, in ``settings.dtype`` on ``settings.device``.
@@ -270,9 +298,7 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
     log(f"loading {name}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(source, **kwargs)
-        model = AutoModelForCausalLM.from_pretrained(
-            source, dtype=getattr(torch, settings.dtype), attn_implementation="sdpa", **kwargs
-        )
+        model = _from_pretrained(AutoModelForCausalLM, source, getattr(torch, settings.dtype), kwargs)
     except OSError as exc:
         if kwargs.get("local_files_only"):
             raise ModelError(
@@ -282,6 +308,7 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         raise ModelError(f"model {spec} could not be loaded: {exc}") from None
     except ValueError as exc:
         raise ModelError(f"model {spec} could not be loaded: {exc}") from None
+    check_architecture(model)
     model.to(settings.device)
     model.eval()
     model_type = getattr(model.config, "model_type", "")

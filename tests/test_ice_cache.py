@@ -32,9 +32,14 @@ def tiny_model(arch: str, kv_heads: int = 2):
         # head_dim 32 with one KV head, its own RoPE base per layer kind
         "gemma3": lambda: tf.Gemma3TextConfig(**{**common, "num_key_value_heads": 1}, head_dim=32, sliding_window=24,
                                               layer_types=["sliding_attention"] * 3 + ["full_attention"]),
+        # Phi 3: one fused qkv projection and one fused gate/up projection
+        "phi3": lambda: tf.Phi3Config(**common, pad_token_id=0, eos_token_id=1, bos_token_id=1),
+        # Gemma 2: window and global layers alternating, attention scores capped (softcapping)
+        "gemma2": lambda: tf.Gemma2Config(**common, head_dim=16, sliding_window=24),
     }[arch]()
     cls = {"llama": tf.LlamaForCausalLM, "mistral": tf.MistralForCausalLM,
-           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM}[arch]
+           "qwen2": tf.Qwen2ForCausalLM, "qwen3": tf.Qwen3ForCausalLM, "gemma3": tf.Gemma3ForCausalLM,
+           "phi3": tf.Phi3ForCausalLM, "gemma2": tf.Gemma2ForCausalLM}[arch]
     model = cls(cfg).eval()
     return model
 
@@ -114,7 +119,7 @@ def full_cache(model):
 @pytest.mark.parametrize("arch,kv_heads,pages", [("llama", 2, "projection"), ("llama", 4, "projection"),
                                                  ("mistral", 2, "projection"), ("qwen2", 1, "projection"),
                                                  ("qwen3", 2, "projection"), ("llama", 2, "similar"),
-                                                 ("gemma3", 1, "projection")])
+                                                 ("gemma3", 1, "projection"), ("phi3", 2, "projection")])
 def test_budget_covering_everything_equals_full(arch, kv_heads, pages):
     """With room for every page, ice decodes exactly like the dense cache, through evictions."""
     model = tiny_model(arch, kv_heads)

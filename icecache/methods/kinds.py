@@ -40,10 +40,18 @@ class CacheKind:
     remaps = False  # can give attended tokens remapped RoPE positions (cache/positions.py)
     saves_state = False  # a sparse prefill's whole cache state can go to the document cache
 
-    def attention(self) -> str:
-        """Register (once) and return the attention implementation the model runs with."""
+    def attention(self, model: Any) -> str:
+        """Register (once) and return the attention implementation ``model`` runs with under this
+        kind. A model that caps its attention scores (Gemma 2's ``attn_logit_softcapping``) is
+        refused: the kind's own attention does not apply the cap (transformers' does: ``full``)."""
         from ..cache import attention
+        from ..errors import MethodUnavailable
 
+        cap = getattr(model.config, "attn_logit_softcapping", None)
+        if cap:
+            raise MethodUnavailable(f"{model.config.model_type} caps its attention scores (attn_logit_softcapping "
+                                    f"{cap}), which icecache's own attention does not apply yet: run it with "
+                                    "--method full")
         return attention.register(self.name)
 
     def make(self, method: Any, model: Any, settings: Any, tokens: int, prompt_tokens: int | None,
@@ -61,8 +69,10 @@ class SdpaKind(CacheKind):
 
     name = "sdpa"
 
-    def attention(self) -> str:
-        return "sdpa"
+    def attention(self, model: Any) -> str:
+        # transformers' own attention: SDPA, or its eager attention where the model has no SDPA
+        # path (Gemma 2: SDPA cannot cap scores)
+        return "sdpa" if type(model)._supports_sdpa else "eager"
 
     def make(self, method, model, settings, tokens, prompt_tokens, windows):
         from transformers import DynamicCache

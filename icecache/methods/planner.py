@@ -49,7 +49,7 @@ def _half(choice: str, settings: Settings, device: Any) -> Any:
 def prepare_model(method: str, model: Any, settings: Settings | None = None, tokens: int = 0) -> None:
     """Select the attention implementation ``method`` needs and, with ``settings``, the RoPE of a
     run of ``tokens`` (prompt + generation; ``rope_scaling``): the model is shared by runs."""
-    name = get(method).cache.attention()
+    name = get(method).cache.attention(model)
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
     if settings is not None:
