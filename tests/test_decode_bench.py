@@ -106,6 +106,7 @@ def test_bench_command_both_kv_routes(tmp_path, quick_profile):
     assert row["status"] == "over time cap" and row["tpot_ms"] is None and "> 0 s" in row["reason"]
 
 
+@pytest.mark.slow  # about a minute; the bench's sparse and shared prefills are also run by test_prefill.py
 def test_bench_prefill_modes(tmp_path, quick_profile):
     import json
 
@@ -170,6 +171,7 @@ def test_bench_keeps_prompt_queries_only_for_a_method_that_reads_them(loaded, cp
     assert [(r.method, r.status) for r in rows] == [("ice", "ok"), ("snapkv", "ok")]
 
 
+@pytest.mark.slow  # about a minute; remapped and true positions are compared by test_positions.py
 def test_bench_positions_measured_side_by_side(quick_profile):
     """`icecache bench --positions remap,true`: each positions value gets its own prefill and
     rows in one run (labelled with the session's choice), and a line compares their TPOT and
