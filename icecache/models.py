@@ -326,7 +326,10 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
 
         weights = apply_weights(model, settings.weights, torch.device(settings.device).type)
         if settings.weights == "auto":
-            why = "the model's linear layers are 4-bit groups, held exactly" if weights == "int4" else "the model's own"
+            why = {"int4": "the model's linear layers are 4-bit groups, held exactly",
+                   "int4+float": "int4 where 4-bit groups hold a layer exactly, the others as they are",
+                   "float+int8head": "the model's own layers",
+                   }[weights] + "; the LM head int8, its possible maximum recomputed in float"
             log(f"weights: {weights} (auto: {why})")
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(

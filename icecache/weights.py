@@ -322,51 +322,73 @@ def _head_names(model: nn.Module) -> set[str]:
     return {name for name, mod in model.named_modules() if mod is head}
 
 
-def lossless_int4(model: nn.Module) -> dict[str, Int4Linear] | None:
-    """The int4 layers of ``model`` if every layer int4 would replace (the LM head aside) holds
-    its weights exactly in 4-bit groups, else ``None``. A model read from a GGUF whose linear
-    weights are 4-bit blocks of 32 with a step and an offset (Q4_1, the embedded model's) passes;
-    a float model fails at its first layer, having quantized only that one."""
+def holds_in_int4(linear: nn.Linear, rows: int = 8) -> bool:
+    """Whether 4-bit groups hold the first ``rows`` rows of ``linear``'s weights exactly: a cheap
+    test before the whole layer is packed (a float layer fails it at once)."""
+    w = linear.weight.detach()[:rows]
+    q, step, low = quantize_groups(w)
+    return torch.equal(dequantized_groups(q, step, low, w.dtype), w)
+
+
+def exact_int4_layers(model: nn.Module) -> dict[str, Int4Linear]:
+    """The int4 layers of ``model`` (the LM head aside) that hold their weights exactly in 4-bit
+    groups, by module name. A GGUF's layers stored as 4-bit blocks of 32 with a step and an
+    offset (Q4_1, the embedded model's; also Q4_0, and Q4_K's sub-blocks) pass; a float layer,
+    or one of more bits (Q5_0, Q6_K, Q8_0), does not."""
     heads = _head_names(model)
     layers = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear) and name not in heads and int4_fits(mod):
+        if isinstance(mod, nn.Linear) and name not in heads and int4_fits(mod) and holds_in_int4(mod):
             new = Int4Linear(mod)
-            if not new.exact:
-                return None
-            layers[name] = new
-    return layers or None
+            if new.exact:
+                layers[name] = new
+    return layers
+
+
+def int4_candidates(model: nn.Module) -> int:
+    """How many linear layers int4 could replace (the LM head aside)."""
+    heads = _head_names(model)
+    return sum(1 for name, mod in model.named_modules()
+               if isinstance(mod, nn.Linear) and name not in heads and int4_fits(mod))
 
 
 def apply_weights(model: nn.Module, fmt: str, device: str = "cpu") -> str:
     """Put ``model``'s linear layers in format ``fmt`` (:func:`quantize_model`) and return the
-    format they are in. ``auto``: int4 on the CPU when it holds the model's weights exactly
-    (:func:`lossless_int4`: what differs from the float model is the bfloat16 rounding of a
-    decode step's products, 99.5% the same tokens on the embedded model), else the model's own
-    (``float``); other devices keep the model's dtype."""
+    format they are in. ``auto``, on the CPU: every layer that 4-bit groups hold exactly in int4
+    (:func:`exact_int4_layers`), the others as they are, and the LM head as a
+    :class:`CheckedHead` (int8 logits, the possible maximum recomputed from its float weights:
+    the greedy token is the float head's): ``int4`` when every layer is int4 (the embedded
+    model; what differs from the float model is the bfloat16 rounding of a decode step's
+    products, 99.5% the same tokens), ``int4+float`` when some are, ``float+int8head`` when none
+    is. Other devices keep the model's dtype (``float``)."""
     if fmt != "auto":
         quantize_model(model, fmt)
         return fmt
-    layers = lossless_int4(model) if device == "cpu" else None
-    if layers is None:
+    if device != "cpu":
         return "float"
-    quantize_model(model, "int4", layers)
-    return "int4"
+    layers = exact_int4_layers(model)
+    quantize_model(model, "int4", layers, only_built=True)
+    if not layers:
+        return "float+int8head"
+    return "int4" if int4_candidates(model) == 0 else "int4+float"  # (the replaced ones are not counted)
 
 
-def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | None = None) -> int:
+def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | None = None,
+                   only_built: bool = False) -> int:
     """Replace the linear layers of ``model`` in format ``fmt``; returns how many were replaced.
     ``float`` leaves the model as it is; ``int8`` replaces every linear layer, the LM head
     included; ``int4`` every one whose shape its kernel takes, and the LM head as a
     :class:`CheckedHead` (int8 logits, the possible maximum recomputed in float). ``built``: layers
-    made already, by module name (:func:`lossless_int4`'s)."""
+    made already, by module name (:func:`exact_int4_layers`'s); ``only_built``: of the others,
+    the LM head alone."""
     if fmt not in WEIGHT_FORMATS or fmt == "auto":
         raise ValueError(f"unknown weight format '{fmt}' (known: {', '.join(WEIGHT_FORMATS)})")
     if fmt == "float":
         return 0
     heads = _head_names(model) if fmt == "int4" else set()
     targets = [(name, mod) for name, mod in model.named_modules() if isinstance(mod, nn.Linear)
-               and (name in heads or fmt == "int8" or int4_fits(mod))]
+               and (name in heads or fmt == "int8" or (int4_fits(mod) and not only_built)
+                    or name in (built or {}))]
     for name, mod in targets:
         parent_name, _, child = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model

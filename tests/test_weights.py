@@ -228,13 +228,14 @@ def _four_bit_groups(model: nn.Module, seed: int = 0) -> None:
 def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
     torch.manual_seed(3)
     x = torch.randn(2, 64)
-    # float weights: int4 would round them, so auto keeps the model as it is
+    # float weights: int4 would round them, so auto keeps the layers as they are; the LM head is
+    # the checked int8 head, whose largest logit is the float head's
     model = _TinyLM()
     before = model(x).detach()
-    assert W.lossless_int4(model) is None
-    assert W.apply_weights(model, "auto") == "float"
-    assert type(model.body[0]) is nn.Linear and type(model.lm_head) is nn.Linear
-    assert torch.equal(model(x), before)
+    assert W.exact_int4_layers(model) == {}
+    assert W.apply_weights(model, "auto") == "float+int8head"
+    assert type(model.body[0]) is nn.Linear and isinstance(model.lm_head, W.CheckedHead)
+    assert torch.equal(model(x).argmax(-1), before.argmax(-1))
     # weights that are 4-bit groups already: auto gives the int4 model, the same as asking for int4
     grouped = _TinyLM()
     _four_bit_groups(grouped)
@@ -250,11 +251,19 @@ def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
     assert grouped.body[0].exact and grouped.body[0].widened.data_ptr() == ref_weight_ptr  # no copy
     many = torch.randn(20, 64)  # a prefill chunk's rows: the float model's own products
     assert torch.equal(grouped(many), float_copy(many))
-    # one weight moved off its group's levels: not exact, so float again
+    # one weight moved off its group's levels: that layer stays float (here the only one int4 takes)
     with torch.no_grad():
         one_layer_off.body[0].weight[3, 5] += 1e-3
-    assert W.apply_weights(one_layer_off, "auto") == "float"
-    assert type(one_layer_off.body[0]) is nn.Linear and type(one_layer_off.lm_head) is nn.Linear
+    assert W.apply_weights(one_layer_off, "auto") == "float+int8head"
+    assert type(one_layer_off.body[0]) is nn.Linear and isinstance(one_layer_off.lm_head, W.CheckedHead)
+    # two such layers, one of them off: int4 where it is exact, float where not
+    mixed = _TinyLM()
+    mixed.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
+    _four_bit_groups(mixed)
+    with torch.no_grad():
+        mixed.body[2].weight[40, 3] += 1e-3  # past the rows the quick test reads
+    assert W.apply_weights(mixed, "auto") == "int4+float"
+    assert isinstance(mixed.body[0], W.Int4Linear) and type(mixed.body[2]) is nn.Linear
     # off the CPU auto keeps the model's dtype without looking
     other = _TinyLM()
     _four_bit_groups(other)
