@@ -345,13 +345,6 @@ def exact_int4_layers(model: nn.Module) -> dict[str, Int4Linear]:
     return layers
 
 
-def int4_candidates(model: nn.Module) -> int:
-    """How many linear layers int4 could replace (the LM head aside)."""
-    heads = _head_names(model)
-    return sum(1 for name, mod in model.named_modules()
-               if isinstance(mod, nn.Linear) and name not in heads and int4_fits(mod))
-
-
 def apply_weights(model: nn.Module, fmt: str, device: str = "cpu") -> str:
     """Put ``model``'s linear layers in format ``fmt`` (:func:`quantize_model`) and return the
     format they are in. ``auto``, on the CPU: every layer that 4-bit groups hold exactly in int4
@@ -366,11 +359,11 @@ def apply_weights(model: nn.Module, fmt: str, device: str = "cpu") -> str:
         return fmt
     if device != "cpu":
         return "float"
-    layers = exact_int4_layers(model)
+    layers, heads = exact_int4_layers(model), _head_names(model)
+    every = all(name in layers or name in heads for name, mod in model.named_modules()
+                if isinstance(mod, nn.Linear) and int4_fits(mod))
     quantize_model(model, "int4", layers, only_built=True)
-    if not layers:
-        return "float+int8head"
-    return "int4" if int4_candidates(model) == 0 else "int4+float"  # (the replaced ones are not counted)
+    return ("int4" if every else "int4+float") if layers else "float+int8head"
 
 
 def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | None = None,
