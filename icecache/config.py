@@ -19,7 +19,7 @@ import importlib.util
 import os
 import re
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -55,9 +55,9 @@ class Settings:
     dtype: str = "float32"
     # the linear layers' weights: "float" (the model's dtype), "int8" (one scale per output
     # channel), "int4" (groups of 32 inputs with a step and a minimum each, the LM head's int8
-    # logits checked against its float weights) or "auto" (int4 on the CPU when it holds the
-    # model's weights exactly, as for a Q4_1 GGUF; else float); activations in dtype
-    # (icecache.weights)
+    # logits checked against its float weights) or "auto" (on the CPU, int4 for each layer it
+    # holds exactly, as a Q4_1 GGUF's, and the checked int8 LM head; elsewhere float);
+    # activations in dtype (icecache.weights.apply_weights)
     weights: str = "auto"
     page_size: int = 16
     budget: int = 256
@@ -125,7 +125,7 @@ class Settings:
     doc_cache_min_tokens: int = 2048
     # the page selectors' keys a profile, flag or variant set, sorted ((key, value), ...); the
     # others keep their selector's default (:func:`selector_settings`)
-    tuning: tuple = field(default=())
+    tuning: tuple = ()
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (fields or selector keys; unchecked: :func:`apply` checks)."""

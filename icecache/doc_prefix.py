@@ -41,8 +41,8 @@ class DocPrefixes:
                     if SHAPING_IF_SET.get(k, object()) != v  # later settings at their defaults: left out
                     and k not in STATE_NEUTRAL}
         # "state" counts the layouts of a saved layer: a layout change makes older entries unseen
-        # (2: an ice layer's answer passages in one object)
-        kind = {"state": 2, "method": self.method, "settings": settings}
+        # (2: an ice layer's answer passages in one object; 3: a selector holds its own settings)
+        kind = {"state": 3, "method": self.method, "settings": settings}
         return prefix, self.doc_cache.with_kind(kind)
 
     def _save_prefix(self, ids: list[int], dc) -> None:

@@ -31,6 +31,9 @@ def register(name: str):
     return add
 
 
+_TYPES = {"int": int, "float": float, "bool": bool, "str": str}  # a settings field's annotation
+
+
 def tunable() -> dict[str, tuple[type, Any]]:
     """Every selector's settings as profile keys: key -> (type, default). A key two selectors
     share means the same thing to both and has one default (checked here)."""
@@ -41,9 +44,6 @@ def tunable() -> dict[str, tuple[type, Any]]:
             if out.setdefault(f.name, got) != got:
                 raise TypeError(f"selector key {f.name} has two types or defaults")
     return out
-
-
-_TYPES = {"int": int, "float": float, "bool": bool, "str": str}
 
 
 def settings_for(name: str, values: Mapping[str, Any]) -> Any:
