@@ -130,8 +130,9 @@ class Settings:
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes`` (fields or selector keys; unchecked: :func:`apply` checks)."""
         tuned = {k: changes.pop(k) for k in list(changes) if k not in FIELD_TYPES and k != "tuning"}
-        if set(tuned) - set(selector_keys()):
-            raise TypeError(f"unknown settings: {', '.join(sorted(set(tuned) - set(selector_keys())))}")
+        unknown = set(tuned) - set(selector_keys()) if tuned else set()
+        if unknown:
+            raise TypeError(f"unknown settings: {', '.join(sorted(unknown))}")
         if tuned:
             changes["tuning"] = tuple(sorted((dict(changes.get("tuning", self.tuning)) | tuned).items()))
         return dataclasses.replace(self, **changes)
