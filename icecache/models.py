@@ -244,6 +244,35 @@ def resolve_model_source(spec: str | None, log: Log = _quiet) -> tuple[str, str,
     return spec, spec, {"local_files_only": True}, False
 
 
+def gguf_source(folder: str) -> str | None:
+    """The GGUF file a converted folder was made from, where it is still there (its blocks give
+    the packed weights, :mod:`~icecache.gguf_weights`)."""
+    marker = Path(folder) / "icecache-conversion.json"
+    try:
+        source = json.loads(marker.read_text())["source"]
+    except (OSError, ValueError, KeyError):
+        return None
+    return source if Path(source).is_file() else None
+
+
+# what the forms of weight_formats mean, for the load log
+FORM_WORDS = {"int4": "int4 (4-bit groups hold them exactly)", "float": "float (as loaded)",
+              "int8": "int8 (per row)", "int8 head (checked)": "the LM head int8, its possible maximum "
+              "recomputed in float"}
+
+
+def describe_formats(counts: dict[str, int]) -> str:
+    """One line: how many linear layers are in each form (GGUF formats: their packed planes, exact
+    or, for Q6_K, the nearest eight bits)."""
+    from .gguf_weights import EXACT
+
+    parts = []
+    for form, n in sorted(counts.items(), key=lambda kv: kv[0].startswith("int8 head")):
+        words = FORM_WORDS.get(form) or f"{form} from the file's blocks ({'exact' if form in EXACT else 'nearest 8 bits'})"
+        parts.append(words if form.startswith("int8 head") else f"{n} {words}")
+    return "; ".join(parts)
+
+
 def check_device(settings: Settings) -> None:
     import torch
 
@@ -322,15 +351,12 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
         log(f"chat template: {template}'s (the model file has none)")
     weights = "float"
     if settings.weights != "float":
-        from .weights import apply_weights
+        from .weights import apply_weights, weight_formats
 
-        weights = apply_weights(model, settings.weights, torch.device(settings.device).type)
+        weights = apply_weights(model, settings.weights, torch.device(settings.device).type,
+                                gguf=gguf_source(source))
         if settings.weights == "auto":
-            why = {"int4": "the model's linear layers are 4-bit groups, held exactly",
-                   "int4+float": "int4 where 4-bit groups hold a layer exactly, the others as they are",
-                   "float+int8head": "the model's own layers",
-                   }[weights] + "; the LM head int8, its possible maximum recomputed in float"
-            log(f"weights: {weights} (auto: {why})")
+            log(f"weights: {weights} (auto: {describe_formats(weight_formats(model))})")
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,

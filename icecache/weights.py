@@ -70,6 +70,8 @@ def dequantized(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch
 class Int8Linear(nn.Module):
     """A linear layer with int8 weights and a scale per output channel."""
 
+    form = "int8"
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         q, scale = quantize_rows(linear.weight)
@@ -134,6 +136,20 @@ def prompt_half() -> torch.dtype | None:
     return getattr(_prompt, "half", None) if getattr(_prompt, "on", False) else None
 
 
+def prompt_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """A prompt's product of a packed layer (:class:`Int4Linear`, and the GGUF planes of
+    :mod:`icecache.gguf_weights`): its float values (``layer.widened``), in the prompt's 16-bit
+    dtype where one is set (:func:`prompt_products`)."""
+    half = prompt_half()
+    if half is not None and x.reshape(-1, x.shape[-1]).shape[0] > 1:
+        w = layer._half_weights.get(half)
+        if w is None:  # made at the first 16-bit prompt (the model's memory + a quarter)
+            w = layer._half_weights[half] = layer.widened.to(half)
+        y = nn.functional.linear(x.to(half), w, None if layer.bias is None else layer.bias.to(half))
+        return y.to(layer.act_dtype)
+    return nn.functional.linear(x.to(layer.act_dtype), layer.widened, layer.bias)
+
+
 # int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
 # multiples of 16
 GROUP = 32
@@ -172,6 +188,8 @@ class Int4Linear(nn.Module):
     """A linear layer with 4-bit weights in groups of :data:`GROUP` inputs, each group with its
     own step and minimum."""
 
+    form = "int4"
+
     def __init__(self, linear: nn.Linear):
         super().__init__()
         if not int4_fits(linear):
@@ -203,14 +221,7 @@ class Int4Linear(nn.Module):
         shape = x.shape
         rows = x.reshape(-1, shape[-1])
         if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
-            half = prompt_half()
-            if half is not None and rows.shape[0] > 1:
-                w = self._half_weights.get(half)
-                if w is None:  # made at the first 16-bit prompt (the model's memory + a quarter)
-                    w = self._half_weights[half] = self.widened.to(half)
-                y = nn.functional.linear(x.to(half), w, None if self.bias is None else self.bias.to(half))
-                return y.to(self.act_dtype)
-            return nn.functional.linear(x.to(self.act_dtype), self.widened, self.bias)
+            return prompt_product(self, x)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
                                                       GROUP, self.kernel_table).to(self.act_dtype)
         if self.bias is not None:
@@ -266,6 +277,8 @@ class CheckedHead(nn.Module):
     exact float logits, so the largest logit, and with it the greedy choice, is the float head's.
     The others keep their approximate values (within their bound). The weight is the float head's
     own tensor (the embedding it is tied to), so the head adds only its int8 copy."""
+
+    form = "int8 head (checked)"
 
     def __init__(self, linear: nn.Linear):
         super().__init__()
@@ -345,25 +358,46 @@ def exact_int4_layers(model: nn.Module) -> dict[str, Int4Linear]:
     return layers
 
 
-def apply_weights(model: nn.Module, fmt: str, device: str = "cpu") -> str:
+def apply_weights(model: nn.Module, fmt: str, device: str = "cpu", gguf: str | None = None) -> str:
     """Put ``model``'s linear layers in format ``fmt`` (:func:`quantize_model`) and return the
     format they are in. ``auto``, on the CPU: every layer that 4-bit groups hold exactly in int4
-    (:func:`exact_int4_layers`), the others as they are, and the LM head as a
+    (:func:`exact_int4_layers`); of the others, those the GGUF file ``gguf`` (the model's source,
+    when it is one) stores in a format with packed planes, from the file's own blocks
+    (:func:`~icecache.gguf_weights.gguf_layers`); the rest as they are; and the LM head as a
     :class:`CheckedHead` (int8 logits, the possible maximum recomputed from its float weights:
-    the greedy token is the float head's): ``int4`` when every layer is int4 (the embedded
-    model; what differs from the float model is the bfloat16 rounding of a decode step's
-    products, 99.5% the same tokens), ``int4+float`` when some are, ``float+int8head`` when none
-    is. Other devices keep the model's dtype (``float``)."""
+    the greedy token is the float head's). Returns ``int4`` when every layer is int4 (the
+    embedded model; what differs from the float model is the bfloat16 rounding of a decode
+    step's products, 99.5% the same tokens), ``packed`` when every layer is int4 or planes,
+    ``int4+float`` or ``packed+float`` when some are, ``float+int8head`` when none is
+    (:func:`weight_formats` counts them). Other devices keep the model's dtype (``float``)."""
     if fmt != "auto":
         quantize_model(model, fmt)
         return fmt
     if device != "cpu":
         return "float"
     layers, heads = exact_int4_layers(model), _head_names(model)
+    if gguf is not None:
+        from .gguf_weights import gguf_layers
+
+        rest = {name for name, mod in model.named_modules()
+                if isinstance(mod, nn.Linear) and name not in heads and name not in layers}
+        layers.update(gguf_layers(gguf, model, rest))
     every = all(name in layers or name in heads for name, mod in model.named_modules()
                 if isinstance(mod, nn.Linear) and int4_fits(mod))
     quantize_model(model, "int4", layers, only_built=True)
-    return ("int4" if every else "int4+float") if layers else "float+int8head"
+    kind = "int4" if all(type(layer) is Int4Linear for layer in layers.values()) else "packed"
+    return (kind if every else f"{kind}+float") if layers else "float+int8head"
+
+
+def weight_formats(model: nn.Module) -> dict[str, int]:
+    """How many of ``model``'s linear layers are in each form: ``int4`` (:class:`Int4Linear`),
+    a GGUF format's name (its packed planes), ``int8``, ``int8 head (checked)``, ``float``."""
+    counts: dict[str, int] = {}
+    for mod in model.modules():
+        kind = getattr(mod, "form", None) or ("float" if isinstance(mod, nn.Linear) else None)
+        if kind:
+            counts[kind] = counts.get(kind, 0) + 1
+    return counts
 
 
 def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | None = None,
