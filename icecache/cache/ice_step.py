@@ -76,7 +76,7 @@ class DecodeStep:
         if self.passages is not None:
             merge = self.remap is not None and bool(self.remap.pin_gap)
             self.passages.step(self.length, self.answer_at, self.store, chooser.view(H, self.group(Hq), d),
-                               scale, merge)
+                               scale, merge, softcap)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()

@@ -129,7 +129,7 @@ class PagedKind(CacheKind):
         from .registry import anchor_layers
 
         layers = model.config.num_hidden_layers
-        spec = ice_spec(settings, method)
+        spec = ice_spec(settings, method, getattr(model.config, "attn_logit_softcapping", None))
         remap = None
         dense, clamp = dense_plan(method.name, model, settings, tokens, prompt_tokens)
         if not dense and positions(method.name, model, settings, tokens) == "remap":
