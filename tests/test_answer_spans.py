@@ -216,8 +216,8 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
     calls: list[tuple[int, np.ndarray]] = []
     weights = spans.head_weights
 
-    def recorded(queries, keys, n, scale):
-        got = weights(queries, keys, n, scale)
+    def recorded(queries, keys, n, scale, softcap=None):
+        got = weights(queries, keys, n, scale, softcap)
         calls.append((step[0], got))
         return got
 

@@ -70,7 +70,7 @@ def test_dense_cache_decodes_like_dynamic_cache(arch, kv_heads, monkeypatch):
 
     calls = []
     real = dense.dense_decode
-    monkeypatch.setattr(dense, "dense_decode", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(dense, "dense_decode", lambda *a, **k: calls.append(1) or real(*a, **k))
     model = tiny_model(arch, kv_heads)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 97, 600).tolist()  # 2 chunks of 300: the second grows the buffer

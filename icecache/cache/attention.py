@@ -4,7 +4,8 @@ transformers calls an attention function with a layer's query, keys and values; 
 find the cache (:mod:`.current`) and hand the work to it: an ice layer's decode step is
 :meth:`IceLayer.attend <icecache.cache.ice_layer.IceLayer.attend>`, a dense layer's is
 :func:`~.dense.dense_attention`, the oracle's :func:`~.oracle.oracle_attention`, and the shared
-dense prefill's :func:`~.record.record_attention`.
+dense prefill's :func:`~.record.record_attention`. Each applies the cap a model puts on its
+attention scores (transformers' ``softcap`` argument: Gemma 2's ``attn_logit_softcapping``).
 """
 
 from __future__ import annotations
@@ -28,19 +29,20 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
     cache = current()
     layer = cache.layers[module.layer_idx] if isinstance(cache, IceCache) else None
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    softcap = kwargs.get("softcap")  # Gemma 2 caps its scores (None: no cap)
     if isinstance(layer, IceLayer):
         if layer.offloaded:
-            return layer.attend(query[0], scale), None
+            return layer.attend(query[0], scale, softcap), None
         layer.observe(query[0])
     elif isinstance(layer, GrowingLayer):
         if isinstance(layer, RemapDenseLayer) and query.shape[2] == 1:
-            return layer.attend(query, scale), None
+            return layer.attend(query, scale, softcap), None
         if layer.clamp is not None and query.shape[0] == 1 and query.shape[2] == 1 and attention_mask is None:
-            return dense_decode(query, key, value, scale, clamp=layer.clamped(query)), None
+            return dense_decode(query, key, value, scale, clamp=layer.clamped(query), softcap=softcap), None
         if query.shape[2] > 1 and cache.spec.sparse_prefill:
             frame = cache.remap.frame if cache.remap is not None else None
             out = windowed_dense(query, key, value, cache.spec.sink_tokens, cache.spec.dense_window, scale,
-                                 frame=frame)
+                                 frame=frame, softcap=softcap)
             if out is not None:
                 return out, None
         return dense_attention(module, query, key, value, attention_mask, scaling=scaling,

@@ -17,6 +17,12 @@ compare the two.
 applies: on the CPU, one sequence, a chunk of more than one query, no dropout, and a mask that is
 exactly the prefix-causal pattern (checked once per mask object: transformers builds one mask per
 forward and passes it to every layer), or no mask with the chunk as the whole sequence.
+
+Capped scores (Gemma 2's ``attn_logit_softcapping``: ``cap * tanh(score / cap)`` after the
+scaling, :func:`soft_cap`): neither torch's SDPA nor its flash kernel can apply a cap, and
+transformers' SDPA refuses one. A capped chunk is therefore computed by explicit products,
+block by block (:func:`prefix_causal_half` in the query's dtype, or :func:`capped_attention`
+under any other mask).
 """
 
 from __future__ import annotations
@@ -28,12 +34,24 @@ import torch
 _checked: list = [None, 0, 0, False]
 
 
+def soft_cap(scores: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """``scores`` (already scaled) capped in place as ``cap * tanh(scores / cap)`` (Gemma 2's
+    ``attn_logit_softcapping``), and returned; untouched when ``cap`` is None or 0 (no cap: the
+    uncapped paths do no extra work). Masks go on after the cap (a capped -inf would be -cap)."""
+    if cap:
+        scores.div_(cap).tanh_().mul_(cap)
+    return scores
+
+
 def prefix_causal_reference(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                            scaling: float) -> torch.Tensor:
+                            scaling: float, softcap: float | None = None) -> torch.Tensor:
     """query (1, Hq, C, d); key, value (1, H, T, d), the chunk being the last C rows -> (1, Hq, C, d):
-    SDPA with the prefix-causal mask (row i sees rows 0 .. T - C + i)."""
+    SDPA with the prefix-causal mask (row i sees rows 0 .. T - C + i); with ``softcap``, the same
+    by explicit products with the capped scores (SDPA cannot cap)."""
     C, T = query.shape[2], key.shape[2]
     mask = torch.ones(C, T, dtype=torch.bool, device=query.device).tril(diagonal=T - C)
+    if softcap:
+        return capped_attention(query, key, value, mask[None, None], scaling, softcap).transpose(1, 2)
     return torch.nn.functional.scaled_dot_product_attention(
         query, key, value, attn_mask=mask[None, None], scale=scaling,
         enable_gqa=query.shape[1] != key.shape[1])
@@ -43,12 +61,14 @@ HALF_BLOCK = 128  # queries of one KV head's group per product (at 8k: 147 ms a 
 
 
 def prefix_causal_half(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
-                       half: torch.dtype, block: int = HALF_BLOCK) -> torch.Tensor:
+                       half: torch.dtype, block: int = HALF_BLOCK, softcap: float | None = None) -> torch.Tensor:
     """:func:`prefix_causal_reference` by 16-bit matrix products (``half``, e.g. bfloat16, with
     float32 sums), softmax in float32: for each KV head, ``block`` queries of each head of its group
     at a time over the rows they see. torch's CPU flash kernel runs no faster in bfloat16, but its
     plain bfloat16 products ran 3-4x float32's on AVX512-BF16 (docs/results.md, "Prefill"): a chunk
-    of 2048 over 8192 rows took 147 against 216 ms."""
+    of 2048 over 8192 rows took 147 against 216 ms. ``softcap``: the scores capped
+    (:func:`soft_cap`) before the mask; ``half`` may then be the query's own dtype (the capped
+    path of any chunk: the flash kernel cannot cap)."""
     _, Hq, C, d = query.shape
     H, T = key.shape[1], key.shape[2]
     G, P = Hq // H, T - C
@@ -60,21 +80,26 @@ def prefix_causal_half(query: torch.Tensor, key: torch.Tensor, value: torch.Tens
         for lo in range(0, C, block):
             hi = min(C, lo + block)
             b, n = hi - lo, P + hi  # the block's last query sees n rows
-            s = torch.mm(q[h, :, lo:hi].reshape(G * b, d), k[h, :n].t()).float().view(G, b, n)
+            s = soft_cap(torch.mm(q[h, :, lo:hi].reshape(G * b, d), k[h, :n].t()).float().view(G, b, n), softcap)
             s[:, :, P + lo :].masked_fill_(above[:b, :b], float("-inf"))
             p = torch.softmax(s, dim=-1).to(half).view(G * b, n)
             out[0, h * G : (h + 1) * G, lo:hi] = torch.mm(p, v[h, :n]).view(G, b, d).to(query.dtype)
     return out
 
 
-def prefix_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float) -> torch.Tensor:
+def prefix_causal(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+                  softcap: float | None = None) -> torch.Tensor:
     """:func:`prefix_causal_reference` by two maskless calls of the CPU flash kernel, merged by
-    their log-sum-exps (float32); inside ``prompt_products(half)``, :func:`prefix_causal_half`."""
+    their log-sum-exps (float32); inside ``prompt_products(half)``, :func:`prefix_causal_half`,
+    which also computes capped scores (``softcap``; in the query's dtype outside
+    ``prompt_products``)."""
     from ..weights import prompt_half
 
     half = prompt_half()
     if half is not None and query.dtype != half:
-        return prefix_causal_half(query, key, value, scaling, half)
+        return prefix_causal_half(query, key, value, scaling, half, softcap=softcap)
+    if softcap:
+        return prefix_causal_half(query, key, value, scaling, query.dtype, softcap=softcap)
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
     _, Hq, C, d = query.shape
     H, T = key.shape[1], key.shape[2]
@@ -116,18 +141,43 @@ def is_prefix_causal(mask: torch.Tensor | None, C: int, T: int) -> bool:
     return ok
 
 
+def capped_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor | None,
+                     scaling: float, softcap: float | None) -> torch.Tensor:
+    """transformers' eager attention with capped scores (what Gemma 2's own eager attention
+    computes): query (B, Hq, C, d); key, value (B, H, T, d); ``mask`` SDPA's (boolean: True
+    where a row is seen, or additive), broadcast over (B, Hq, C, T), or None (C > 1: causal,
+    the chunk being the last C rows) -> (B, C, Hq, d). Softmax in float32."""
+    B, Hq, C, d = query.shape
+    H, T = key.shape[1], key.shape[2]
+    if Hq != H:
+        key, value = key.repeat_interleave(Hq // H, dim=1), value.repeat_interleave(Hq // H, dim=1)
+    scores = soft_cap(torch.matmul(query, key.transpose(2, 3)).float().mul_(scaling), softcap)
+    if mask is None and C > 1:
+        mask = torch.ones(C, T, dtype=torch.bool, device=query.device).tril(diagonal=T - C)
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else scores + mask
+    probs = torch.softmax(scores, dim=-1).to(value.dtype)
+    return torch.matmul(probs, value).transpose(1, 2).contiguous()
+
+
 def sdpa_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
     """transformers' ``sdpa_attention_forward``, with :func:`prefix_causal` for a prefix-causal
-    chunk on the CPU."""
+    chunk on the CPU; capped scores (a ``softcap``, which SDPA refuses) by
+    :func:`prefix_causal` where the mask is that pattern, else :func:`capped_attention`."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     C, T = query.shape[2], key.shape[2]
+    softcap = kwargs.get("softcap")
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if (query.device.type == "cpu" and query.shape[0] == 1 and C > 1 and T >= C and not dropout
-            and kwargs.get("position_bias") is None and kwargs.get("softcap") is None
+            and kwargs.get("position_bias") is None
             and kwargs.get("s_aux") is None and kwargs.get("is_causal", getattr(module, "is_causal", True))
             and query.shape[1] % key.shape[1] == 0
             and ((attention_mask is None and T == C) or is_prefix_causal(attention_mask, C, T))):
-        scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return prefix_causal(query, key, value, scale).transpose(1, 2).contiguous(), None
+        return prefix_causal(query, key, value, scale, softcap).transpose(1, 2).contiguous(), None
+    if softcap is not None:
+        if dropout or kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+            raise ValueError("capped attention scores with dropout, a position bias or sinks are not supported")
+        return capped_attention(query, key, value, attention_mask, scale, softcap), None
     return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                   scaling=scaling, **kwargs)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 from transformers.cache_utils import Cache, DynamicLayer
 
-from .chunked import prefix_causal, sdpa_forward
+from .chunked import prefix_causal, prefix_causal_half, sdpa_forward, soft_cap
 from .window import window_or
 
 
@@ -207,7 +207,7 @@ def _clamp_scores(scores: torch.Tensor, clamp) -> None:
         scores[:, :, : k0.shape[1]] = torch.matmul(far_q, k0.transpose(1, 2))
 
 
-def _half_decode(q, k, v, scaling, clamp=None):
+def _half_decode(q, k, v, scaling, clamp=None, softcap=None):
     """:func:`dense_decode` over 16-bit keys and values: q (H, G, d) float32; k, v (H, T, d)
     views of a growing layer (rows contiguous per head, heads a capacity apart) -> (H, G, d).
 
@@ -219,7 +219,8 @@ def _half_decode(q, k, v, scaling, clamp=None):
     (bfloat16 widened by a shift, the query in float32: torch's bfloat16 scores took 52 us a head
     at 4k in the model, slower than float32's), or, for keys it cannot read in place, from torch,
     keys x query per head (on such views 4x faster than query x keys^T, which copies the keys).
-    Softmax in float32; the value product in torch's bfloat16."""
+    Softmax in float32 (``softcap``: of the capped scores, :func:`~.chunked.soft_cap`); the value
+    product in torch's bfloat16."""
     H, G, d = q.shape
     T = k.shape[1]
     sh, sr, _ = k.stride()
@@ -237,15 +238,16 @@ def _half_decode(q, k, v, scaling, clamp=None):
         qh = q.to(k.dtype)
         scores = torch.stack([torch.mm(k[h], qh[h].t()) for h in range(H)]).transpose(1, 2).float()  # (H, G, T')
     _clamp_scores(scores, clamp)
+    soft_cap(scores.mul_(scaling), softcap)
     if scores.shape[2] > T:
         scores[:, :, T:] = float("-inf")
-    probs = torch.softmax(scores.mul_(scaling), dim=-1).to(v.dtype)
+    probs = torch.softmax(scores, dim=-1).to(v.dtype)
     if k.shape[1] <= HALF_VALUES_PER_HEAD:
         return torch.matmul(probs, v)
     return torch.stack([torch.mm(probs[h], v[h]) for h in range(H)])
 
 
-def dense_decode(query, key, value, scaling, clamp=None):
+def dense_decode(query, key, value, scaling, clamp=None, softcap=None):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
@@ -253,13 +255,15 @@ def dense_decode(query, key, value, scaling, clamp=None):
     every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`.
     ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`). Float32 caches
     of at least ``DENSE_KERNEL_MIN`` rows on the CPU have numba score the keys; the others (and
-    the reference of that path) take :func:`dense_decode_reference`'s matrix products."""
+    the reference of that path) take :func:`dense_decode_reference`'s matrix products.
+    ``softcap`` (Gemma 2): the scaled scores capped (:func:`~.chunked.soft_cap`) before the
+    softmax; the numba kernels score ``q . k`` alone, so the cap is applied to their output."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
     if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
-        return _half_decode(q, key[0], value[0], scaling, clamp).to(query.dtype).reshape(1, 1, Hq, d)
+        return _half_decode(q, key[0], value[0], scaling, clamp, softcap).to(query.dtype).reshape(1, 1, Hq, d)
     if (T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
             and key.dtype == torch.float32 and query.dtype == torch.float32):
         k = _rows_buffer(key[0])
@@ -269,12 +273,12 @@ def dense_decode(query, key, value, scaling, clamp=None):
             scores = torch.empty((H, Hq // H, T), dtype=torch.float32)
             dense_scores(q.detach().contiguous().numpy(), k, T, scores.numpy())
             _clamp_scores(scores, clamp)
-            probs = torch.softmax(scores.mul_(scaling), dim=-1)
+            probs = torch.softmax(soft_cap(scores.mul_(scaling), softcap), dim=-1)
             return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
-    return dense_decode_reference(query, key, value, scaling, clamp)
+    return dense_decode_reference(query, key, value, scaling, clamp, softcap)
 
 
-def dense_decode_reference(query, key, value, scaling, clamp=None):
+def dense_decode_reference(query, key, value, scaling, clamp=None, softcap=None):
     """:func:`dense_decode` by matrix products alone (no numba): each KV head's group of query
     heads against its keys in one product. The path of short caches and of other devices or
     dtypes, and the reference the numba scores are tested against. Same shapes as
@@ -284,27 +288,29 @@ def dense_decode_reference(query, key, value, scaling, clamp=None):
     q = query[0, :, 0].reshape(H, Hq // H, d)
     scores = torch.matmul(q, key[0].transpose(-1, -2)).float()  # (H, G, T)
     _clamp_scores(scores, clamp)
-    probs = torch.softmax(scores.mul_(scaling), dim=-1).to(value.dtype)
+    probs = torch.softmax(soft_cap(scores.mul_(scaling), softcap), dim=-1).to(value.dtype)
     return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
 
 
 def dense_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ``dense`` method's attention: :func:`dense_decode` for a decode step of one
-    unpadded sequence, transformers' SDPA otherwise (:func:`.chunked.sdpa_forward`)."""
+    unpadded sequence, transformers' SDPA otherwise (:func:`.chunked.sdpa_forward`); either
+    caps the scores where the model passes a ``softcap``."""
     if query.shape[0] == 1 and query.shape[2] == 1 and attention_mask is None:
         scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-        return dense_decode(query, key, value, scale), None
+        return dense_decode(query, key, value, scale, softcap=kwargs.get("softcap")), None
     return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
                         dropout=dropout, **kwargs)
 
 
-def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=None):
+def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=None, softcap=None):
     """Sparse prefill in a dense layer: the chunk attends to the first ``sink`` tokens and the
     ``window`` tokens before it (plus itself, causally), not to the whole prefix.
 
     query (1, Hq, C, d); key, value (1, H, n, d) with the chunk as the last C rows. ``frame``
     (positions remapped, :mod:`.positions`): the sink keys are rotated to sit just before the
-    window instead of at their true distance.
+    window instead of at their true distance. ``softcap``: capped scores (explicit products on
+    any device: SDPA cannot cap).
     """
     import torch.nn.functional as F
 
@@ -318,7 +324,9 @@ def windowed_dense(query, key, value, sink: int, window: int, scaling, frame=Non
     k = torch.cat([sink_k, key[:, :, w0:]], dim=2)
     v = torch.cat([value[:, :, :sink], value[:, :, w0:]], dim=2)
     if query.device.type == "cpu":  # the same pattern: the chunk sees sink + window, then itself causally
-        return prefix_causal(query, k, v, scaling).transpose(1, 2).contiguous()
+        return prefix_causal(query, k, v, scaling, softcap).transpose(1, 2).contiguous()
+    if softcap:
+        return prefix_causal_half(query, k, v, scaling, query.dtype, softcap=softcap).transpose(1, 2).contiguous()
     L = k.shape[2]
     mask = torch.ones(C, L, dtype=torch.bool, device=query.device)
     mask[:, sink + window :] = torch.ones(C, C, dtype=torch.bool, device=query.device).tril()

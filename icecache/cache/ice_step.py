@@ -13,7 +13,8 @@ pool + window with the attention chosen once for the layer (:attr:`DecodeStep.ke
 With remapped positions the resident keys are placed just beyond the window first
 (:mod:`.placement`); with ``answer_spans`` the prompt's last steps vote for the passages that
 stay resident for the answer (:class:`~.spans.AnswerPassages`). Each stage is timed into
-:class:`~.spec.StepStats`.
+:class:`~.spec.StepStats`. A model that caps its scores (``softcap``, Gemma 2) has every one of
+these attentions cap them (:mod:`.paged`).
 """
 
 from __future__ import annotations
@@ -51,13 +52,14 @@ def attention_kind(selector, spec, remap) -> str:
 class DecodeStep:
     """select -> load -> attend for :class:`~.ice_layer.IceLayer` (its state is the layer's)."""
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def attend(self, query: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """Attention of this step's queries (query heads, C, d) over sink + selected pages +
         window -> (1, C, query heads, d). C = 1 at a decode step; a sparse-prefill chunk has a
-        few of its positions choose the pages for all of it."""
+        few of its positions choose the pages for all of it. ``softcap``: the model's cap on its
+        attention scores (None: none)."""
         Hq, C, d = query.shape
         if C > 1:
-            return self._attend_chunk(query, scale)
+            return self._attend_chunk(query, scale, softcap)
         H = self.heads
         q = query[:, 0].view(H, self.group(Hq), d)
         r = self.resident
@@ -74,7 +76,7 @@ class DecodeStep:
         if self.passages is not None:
             merge = self.remap is not None and bool(self.remap.pin_gap)
             self.passages.step(self.length, self.answer_at, self.store, chooser.view(H, self.group(Hq), d),
-                               scale, merge)
+                               scale, merge, softcap)
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
@@ -84,13 +86,13 @@ class DecodeStep:
             k = placed(k, r, self.remap, self.passages, self.length, self.length - 1 - page_distance)
         if self.kernel == "weighted":
             bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)
-            out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale)
+            out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale, softcap)
         else:
             rest = self.rest_rows() if self.kernel == "rest" else None
             if rest is not None:
-                out = paged_decode_rest(q, k, v, valid, rest, scale)
+                out = paged_decode_rest(q, k, v, valid, rest, scale, softcap)
             else:
-                out = paged_decode_sdpa(q, k, v, valid, scale)
+                out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
@@ -125,7 +127,7 @@ class DecodeStep:
     def group(self, query_heads: int) -> int:
         return query_heads // self.heads
 
-    def _attend_chunk(self, query: torch.Tensor, scale: float) -> torch.Tensor:
+    def _attend_chunk(self, query: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """A sparse-prefill chunk (query heads, C, d): a few of its positions select the pages;
         the chunk attends causally to sink + pages + window + itself. With positions remapped the
         pages sit just before the window and the sink just before them (the resident rows are
@@ -144,7 +146,7 @@ class DecodeStep:
         if self.remap is not None:
             k = placed(k, r, self.remap, self.passages, self.length, pages_at)
         attend = paged_chunk_flash if k.device.type == "cpu" else paged_chunk_sdpa  # the same attention, no mask
-        out = attend(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale)
+        out = attend(query.view(self.heads, self.group(Hq), C, d), k, v, valid, r.chunk_at, scale, softcap)
         self.after_chunk()
         return out.reshape(Hq, C, d).transpose(0, 1)[None].contiguous()
 

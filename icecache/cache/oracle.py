@@ -20,7 +20,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from . import current
-from .chunked import sdpa_forward
+from .chunked import sdpa_forward, soft_cap
 from .dense import GrowingLayer
 from .window import WindowLayer, window_or
 
@@ -84,7 +84,7 @@ def oracle_attention(module, query, key, value, attention_mask, scaling=None, dr
     scale = scaling if scaling is not None else d ** -0.5
     q = query[0, :, 0].view(H, G, d).float()
     k, v = key[0].float(), value[0].float()
-    scores = torch.einsum("hgd,htd->hgt", q, k) * scale
+    scores = soft_cap(torch.einsum("hgd,htd->hgt", q, k) * scale, kwargs.get("softcap"))  # kept by capped scores
     probs = torch.softmax(scores.masked_fill(~spec.keep(scores), float("-inf")), dim=-1)
     out = torch.einsum("hgt,htd->hgd", probs, v).to(query.dtype)
     return out.reshape(1, 1, Hq, d), None

@@ -34,6 +34,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from .chunked import soft_cap
 from .dense import GrowingLayer
 
 MODES = ("auto", "true", "remap")
@@ -271,24 +272,24 @@ def ordered_offsets_reference(rows, valid, top: int = 0, keep: int = -1) -> tupl
 
 
 def remap_decode(qs: torch.Tensor, k: torch.Tensor, v: torch.Tensor, valid: torch.Tensor,
-                 pool_at: int, window_at: int, scaling: float, pool_keys: torch.Tensor | None = None
-                 ) -> torch.Tensor:
+                 pool_at: int, window_at: int, scaling: float, pool_keys: torch.Tensor | None = None,
+                 softcap: float | None = None) -> torch.Tensor:
     """One decode step with a query per region: qs (3, H, G, d) for rows [0, pool_at) (sink),
     [pool_at, window_at) (pool; ``pool_keys`` instead of those rows of ``k`` if given) and
     [window_at, L) (window); k, v (H, L, d); valid (H, L) -> (H, G, d). Softmax over all regions
     at once, in float32."""
     keys = [k[:, :pool_at], k[:, pool_at:window_at] if pool_keys is None else pool_keys, k[:, window_at:]]
     values = [v[:, :pool_at], v[:, pool_at:window_at], v[:, window_at:]]
-    return attend_regions(list(zip(qs, keys, values, strict=True)), valid, scaling)
+    return attend_regions(list(zip(qs, keys, values, strict=True)), valid, scaling, softcap)
 
 
-def attend_regions(regions, valid: torch.Tensor | None, scaling: float) -> torch.Tensor:
+def attend_regions(regions, valid: torch.Tensor | None, scaling: float, softcap: float | None = None) -> torch.Tensor:
     """Attention of one decode step whose key rows come in regions, each with its own query:
     ``regions`` = [(q (H, G, d), k (H, n_i, d), v (H, n_i, d)), ...] (views, not copied);
     ``valid`` (H, sum n_i) or None (all rows) -> (H, G, d). One softmax over every region, in
-    float32."""
+    float32 (``softcap``: of the capped scores, :func:`~.chunked.soft_cap`)."""
     scores = torch.cat([torch.einsum("hgd,hld->hgl", q.float(), k.float()) for q, k, _ in regions], dim=-1)
-    scores = scores * scaling
+    scores = soft_cap(scores * scaling, softcap)
     if valid is not None:
         scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
     probs = torch.softmax(scores, dim=-1)
@@ -313,8 +314,9 @@ class RemapDenseLayer(GrowingLayer):
         # the window at true distances stays well inside the trained context
         self.remap, self.sink, self.window = remap, sink, min(window, remap.frame.trained // 2)
 
-    def attend(self, query: torch.Tensor, scale: float) -> torch.Tensor:
-        """A decode step: query (1, Hq, 1, d) at position ``length - 1`` -> (1, 1, Hq, d)."""
+    def attend(self, query: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
+        """A decode step: query (1, Hq, 1, d) at position ``length - 1`` -> (1, 1, Hq, d)
+        (``softcap``: the model's cap on its scores)."""
         n = self._n
         sink = min(self.sink, n)
         start = max(sink, n - self.window)  # the window's first row
@@ -326,7 +328,7 @@ class RemapDenseLayer(GrowingLayer):
         # for every layer of the step), the window's query as it is
         sink_q = self.remap.frame.rotate(q.reshape(-1, d), n - 1, window + sink - 1).reshape(q.shape)
         out = attend_regions([(sink_q, k[:, :sink], v[:, :sink]), (q, k[:, start:], v[:, start:])],
-                             None, scale)
+                             None, scale, softcap)
         return out.reshape(1, 1, -1, d)
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:

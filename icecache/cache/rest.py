@@ -14,6 +14,15 @@ read from the host store and brought up to date from the page versions the pool 
 resident otherwise (pinned passages) are subtracted from their tree page, so no token is counted
 twice.
 
+A model that caps its scores (Gemma 2: ``cap * tanh(score / cap)``) has an estimate row's
+score capped like a real key's before ``log(members)`` is added: its weight is ``members *
+exp(cap(q . mean key))`` against the members' summed ``exp(cap(q . key))``. The Jensen bound no
+longer holds one way (the cap is concave above 0 and convex below), but the estimate stays as
+close as the uncapped one: ``q . mean key`` is the mean of the members' scores, so it lies
+within their range, and the cap is monotone with slope at most 1, so the capped scores lie
+within a range no wider around the capped mean; a page's log-weight error is at most that
+spread, as without the cap.
+
 Only with true positions: with remapped positions every page would sit at one distance just
 beyond the window, and the estimate of a 100k-token document's pages (thousands of rows there)
 buried the answer's passage (docs/results.md, "Accuracy beyond the trained context").

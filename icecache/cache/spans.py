@@ -32,6 +32,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .chunked import soft_cap
 from .score_kernels import half_scores
 from .selectors.tokens import TokenPages
 from .spec import SPAN_PAGES, VOTE_STEPS
@@ -144,11 +145,13 @@ def passage_rows(anchors: list[int], n: int, before: int, after: int) -> np.ndar
     return np.unique(np.concatenate(rows)) if rows else np.empty(0, np.int64)
 
 
-def head_weights(queries: torch.Tensor, keys: torch.Tensor, n: int, scale: float) -> np.ndarray:
+def head_weights(queries: torch.Tensor, keys: torch.Tensor, n: int, scale: float,
+                 softcap: float | None = None) -> np.ndarray:
     """queries (H, G, d), keys (H, >= n, d) (a host store's buffer; rows 0 .. n-1 are voted
     over) -> (n,) float64: each query head's softmax over the n keys; a key's weight is its
     largest over the query heads. 16-bit keys in host memory are scored by
-    :func:`~icecache.cache.score_kernels.half_scores`, others by :func:`vote_scores_reference`."""
+    :func:`~icecache.cache.score_kernels.half_scores`, others by :func:`vote_scores_reference`;
+    ``softcap``: the scores capped as the model caps them before the softmax."""
     H = keys.shape[0]
     if n == 0:
         return np.zeros(0)
@@ -160,7 +163,7 @@ def head_weights(queries: torch.Tensor, keys: torch.Tensor, n: int, scale: float
         s = torch.from_numpy(out)
     else:
         s = vote_scores_reference(q, keys[:, :n])
-    return torch.softmax(s, dim=-1).amax(dim=(0, 1)).double().cpu().numpy()
+    return torch.softmax(soft_cap(s, softcap), dim=-1).amax(dim=(0, 1)).double().cpu().numpy()
 
 
 def vote_scores_reference(q: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
@@ -193,7 +196,7 @@ class AnswerPassages:
         self.pinned = self.load = None
 
     def step(self, length: int, answer_at: int, store, chooser: torch.Tensor, scale: float,
-             merge: bool) -> None:
+             merge: bool, softcap: float | None = None) -> None:
         """A step of a layer holding ``length`` tokens whose prompt ends at ``answer_at`` (0: not
         known yet). The prompt's last steps that run one token at a time (at most
         ``VOTE_STEPS``: a sparse prefill's tail, a question after a saved document) vote with
@@ -203,7 +206,8 @@ class AnswerPassages:
         then: the first generated token's step votes, and the next step pins. ``merge``: passages
         may join (:func:`pinned_anchors`; with ``remap_pin_gap`` the budget's pages sit far
         back and the passages carry the answer alone, so a well-voted row next to a passage joins
-        it: a needle's first mention cut off otherwise)."""
+        it: a needle's first mention cut off otherwise). ``softcap``: the model's cap on its
+        scores, applied to the votes' scores."""
         if not answer_at or length <= answer_at - VOTE_STEPS or store is None or self.pinned is not None:
             return
         if length >= answer_at and self.votes.step and self.votes.step < length:
@@ -213,7 +217,7 @@ class AnswerPassages:
             self.load = (ids.astype(np.int64), self.pinned.table(), rows)
             self.lead = int(np.sum(rows == np.arange(len(rows))))  # rows 0 .. lead-1 continue the sink
         elif length <= answer_at + 1:
-            self.votes.add(head_weights(chooser.cpu(), store.keys, store.rows, scale), length)
+            self.votes.add(head_weights(chooser.cpu(), store.keys, store.rows, scale, softcap), length)
 
     def with_sink(self, pin_gap: int) -> int:
         """Pinned host rows below this stay in token order right after the sink instead of

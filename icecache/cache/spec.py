@@ -32,6 +32,13 @@ class IceSpec:
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     answer_spans: int = 0  # passages pinned for the answer after the prompt's end voted (0: off)
     host_dtype: str | None = None  # the host store's dtype ("float16", ...); None: the KV's own
+    # The model's cap on its attention scores (Gemma 2's attn_logit_softcapping; None: none):
+    # the selectors' attention weights (SnapKV's and H2O's votes, OmniKV's and PQCache's
+    # weights, the answer passages' votes) cap their scores as the model does. The DCI tree's
+    # page search (numba, icecache/index) ranks by uncapped scores: the cap is monotone, so each
+    # query's order of keys is the same, and only how much a page's mass outweighs another's
+    # shifts (the attention itself is exact over whatever pages are loaded).
+    softcap: float | None = None
 
     @property
     def span_pages(self) -> int:

@@ -10,8 +10,9 @@ from .planner import host_dtype, positions, prepare_model
 from .registry import Method, check_prefill, get
 
 
-def ice_spec(settings: Settings, method: Method):
-    """The paged cache's spec for ``method`` under ``settings`` (budget in pages from here on)."""
+def ice_spec(settings: Settings, method: Method, softcap: float | None = None):
+    """The paged cache's spec for ``method`` under ``settings`` (budget in pages from here on);
+    ``softcap``: the model's cap on its attention scores (Gemma 2), for the selectors."""
     from ..cache import IceSpec
     from ..config import selector_settings
 
@@ -33,6 +34,7 @@ def ice_spec(settings: Settings, method: Method):
         dense_window=settings.dense_window,
         answer_spans=settings.answer_spans if method.budgeted else 0,
         host_dtype=host_dtype(settings),
+        softcap=softcap or None,
     )
 
 

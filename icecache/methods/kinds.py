@@ -42,16 +42,10 @@ class CacheKind:
 
     def attention(self, model: Any) -> str:
         """Register (once) and return the attention implementation ``model`` runs with under this
-        kind. A model that caps its attention scores (Gemma 2's ``attn_logit_softcapping``) is
-        refused: the kind's own attention does not apply the cap (transformers' does: ``full``)."""
+        kind. A model that caps its attention scores (Gemma 2's ``attn_logit_softcapping``) runs
+        too: transformers hands the cap to the attention (``softcap``), which applies it."""
         from ..cache import attention
-        from ..errors import MethodUnavailable
 
-        cap = getattr(model.config, "attn_logit_softcapping", None)
-        if cap:
-            raise MethodUnavailable(f"{model.config.model_type} caps its attention scores (attn_logit_softcapping "
-                                    f"{cap}), which icecache's own attention does not apply yet: run it with "
-                                    "--method full")
         return attention.register(self.name)
 
     def make(self, method: Any, model: Any, settings: Any, tokens: int, prompt_tokens: int | None,
@@ -135,7 +129,7 @@ class PagedKind(CacheKind):
         from .registry import anchor_layers
 
         layers = model.config.num_hidden_layers
-        spec = ice_spec(settings, method)
+        spec = ice_spec(settings, method, getattr(model.config, "attn_logit_softcapping", None))
         remap = None
         dense, clamp = dense_plan(method.name, model, settings, tokens, prompt_tokens)
         if not dense and positions(method.name, model, settings, tokens) == "remap":

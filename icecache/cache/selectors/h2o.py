@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ..chunked import soft_cap
 from .base import register
 from .snapkv import ObservationSettings
 from .token_base import TokenSelector
@@ -27,12 +28,13 @@ PROMPT_QUERIES = 1024  # prompt query positions whose attention is accumulated (
 
 
 def prompt_scores(queries: np.ndarray, positions: np.ndarray, weights: np.ndarray, keys: np.ndarray,
-                  lo: int, hi: int, scale: float) -> np.ndarray:
+                  lo: int, hi: int, scale: float, softcap: float | None = None) -> np.ndarray:
     """Accumulated causal attention of a group's prompt queries on keys ``lo .. hi-1``.
 
     queries (G, n, d) at prompt ``positions`` (n,), each counted ``weights`` (n,) times; keys
     (T, d) the prompt's keys. The query at position p attends to keys 0..p (softmax over them).
     Returns (hi - lo,) float64. (The plain reference is a loop over the queries, in the tests.)
+    ``softcap``: the scores capped as the model caps them.
     """
     G, n, d = queries.shape
     T = keys.shape[0]
@@ -43,7 +45,7 @@ def prompt_scores(queries: np.ndarray, positions: np.ndarray, weights: np.ndarra
     cols = torch.arange(T)
     for b in range(0, n, block):
         pos = torch.from_numpy(positions[b : b + block])
-        s = torch.einsum("gnd,td->gnt", Q[:, b : b + block], K) * scale
+        s = soft_cap(torch.einsum("gnd,td->gnt", Q[:, b : b + block], K) * scale, softcap)
         s.masked_fill_(cols[None, :] > pos[:, None], float("-inf"))
         p = torch.softmax(s, dim=2)[:, :, lo:hi].double()
         out += torch.einsum("gnt,n->t", p, torch.from_numpy(weights[b : b + block]).double())
@@ -84,7 +86,8 @@ class H2OSelector(TokenSelector):
         self.acc, self.alive, self.kept, self.recent = [], [], [], []
         for h in range(H):
             if len(pos):
-                self.window_acc[h] = prompt_scores(q[h * G : (h + 1) * G], pos, weights, keys[h], 0, T, self.scale)
+                self.window_acc[h] = prompt_scores(q[h * G : (h + 1) * G], pos, weights, keys[h], 0, T, self.scale,
+                                                   self.spec.softcap)
             acc = np.zeros(max(16, 2 * (hi - lo)))
             acc[: hi - lo] = self.window_acc[h, lo:hi]
             alive = np.zeros(len(acc), bool)
@@ -109,7 +112,7 @@ class H2OSelector(TokenSelector):
             both = np.concatenate([kept, ids])
             rows = self.keys[head].all()[both]
             for q in self.recent:
-                acc[ids] += group_weights(q[head], rows, self.scale)[len(kept) :]
+                acc[ids] += group_weights(q[head], rows, self.scale, self.spec.softcap)[len(kept) :]
         alive[ids] = True
 
     def choose(self, head: int, queries: np.ndarray, take: int) -> np.ndarray:
@@ -120,7 +123,7 @@ class H2OSelector(TokenSelector):
         alive[cand] = False
         alive[keep] = True  # the others are evicted for good
         self.kept[head] = keep
-        acc[keep] += group_weights(queries, self.keys[head].all()[keep], self.scale)
+        acc[keep] += group_weights(queries, self.keys[head].all()[keep], self.scale, self.spec.softcap)
         return keep
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:

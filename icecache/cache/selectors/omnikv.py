@@ -22,4 +22,4 @@ from .tokens import group_weights, top_tokens
 class OmniKVSelector(TokenSelector):
     def choose(self, head: int, queries: np.ndarray, take: int) -> np.ndarray:
         keys = self.keys[head].all()
-        return top_tokens(group_weights(queries, keys, self.scale), take)
+        return top_tokens(group_weights(queries, keys, self.scale, self.spec.softcap), take)

@@ -119,6 +119,8 @@ class PQCacheSelector(TokenSelector):
 
     def choose(self, head: int, queries: np.ndarray, take: int) -> np.ndarray:
         s = self.pq[head].scores(queries) * self.scale
+        if self.spec.softcap:  # the model's cap on its scores
+            s = self.spec.softcap * np.tanh(s / self.spec.softcap)
         s -= s.max(axis=1, keepdims=True)
         e = np.exp(s)
         weights = (e / e.sum(axis=1, keepdims=True)).sum(axis=0)

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from ..chunked import soft_cap
 from .base import HeadIndexes, register
 
 
@@ -55,8 +56,9 @@ class SnapIndex:
         return np.arange(min(self.npages, max_pages), dtype=np.int32)
 
 
-def snap_votes(obs_q, keys, sink: int, mid: int, scale: float):
-    """Per KV head, the observation queries' summed softmax weights on the middle tokens.
+def snap_votes(obs_q, keys, sink: int, mid: int, scale: float, softcap: float | None = None):
+    """Per KV head, the observation queries' summed softmax weights on the middle tokens
+    (``softcap``: of the scores capped as the model caps them).
 
     ``obs_q`` (Hq, W, d) the prompt's last queries; ``keys`` (H, T, d) all prompt keys. Returns
     (H, mid) float64.
@@ -66,7 +68,7 @@ def snap_votes(obs_q, keys, sink: int, mid: int, scale: float):
     out = np.zeros((H, mid))
     for h in range(H):
         q = obs_q[h * G : (h + 1) * G].reshape(-1, obs_q.shape[-1]).float()
-        w = torch.softmax(q @ keys[h].float().T * scale, dim=-1)
+        w = torch.softmax(soft_cap(q @ keys[h].float().T * scale, softcap), dim=-1)
         out[h] = w[:, sink : sink + mid].sum(0).double().cpu().numpy()
     return out
 
@@ -103,7 +105,8 @@ class SnapKVSelector(HeadIndexes):
     def build(self, prompt_keys: torch.Tensor, lo: int, hi: int, capacity: int,
               middle: torch.Tensor | None = None) -> None:
         if self.queries is not None:
-            self.votes = snap_votes(self.queries, prompt_keys, lo, hi - lo, prompt_keys.shape[-1] ** -0.5)
+            self.votes = snap_votes(self.queries, prompt_keys, lo, hi - lo, prompt_keys.shape[-1] ** -0.5,
+                                    self.spec.softcap)
         else:
             self.votes = np.zeros((prompt_keys.shape[0], hi - lo))
         super().build(prompt_keys, lo, hi, capacity, middle)

@@ -75,12 +75,15 @@ class TokenPages:
         return self.members, self.count, self.version
 
 
-def group_weights(queries: np.ndarray, keys: np.ndarray, scale: float) -> np.ndarray:
+def group_weights(queries: np.ndarray, keys: np.ndarray, scale: float, softcap: float | None = None) -> np.ndarray:
     """The group's attention weights on ``keys``, summed over its queries: queries (G, d), keys
-    (n, d) -> (n,) float64 (each query's softmax over the n keys)."""
+    (n, d) -> (n,) float64 (each query's softmax over the n keys; ``softcap``: of the scores
+    capped as the model caps them, ``cap * tanh(score / cap)``)."""
     if len(keys) == 0:
         return np.zeros(0)
     s = (np.asarray(queries, np.float64) @ np.asarray(keys, np.float64).T) * scale
+    if softcap:
+        s = softcap * np.tanh(s / softcap)
     s -= s.max(axis=1, keepdims=True)
     e = np.exp(s)
     return (e / e.sum(axis=1, keepdims=True)).sum(axis=0)
