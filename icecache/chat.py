@@ -98,6 +98,33 @@ def end_token_ids(tokenizer: Any, model_type: str) -> set[int]:
     return {vocab[t] for fam in FAMILIES if model_type in fam.model_types for t in fam.ends if t in vocab}
 
 
+def stop_cues(loaded: Any) -> tuple[str, ...]:
+    """Where a plain-text reply ends (a model without a chat template, which has no end of turn):
+    a new line that starts with one of the prompt's own labels (``Question:``, ``Answer:``). A
+    base model that has answered goes on to write the next question and answer of an imagined
+    exam; a line of its reply that opens with those labels is where its answer ended."""
+    from .prompts import CUE_LABELS
+
+    return tuple("\n" + label for label in CUE_LABELS) if getattr(loaded, "template", "") == "plain" else ()
+
+
+# tokens decoded at each step to look for a stop cue: more than a cue's new line and label take
+CUE_TOKENS = 12
+
+
+def cut_at_cue(tokenizer: Any, out: list[int], cues: tuple[str, ...]) -> bool:
+    """Whether the reply ``out`` has just opened a line with a stop cue (:func:`stop_cues`); if so
+    its tokens from the one holding that new line on are dropped. Only the last few tokens are
+    decoded, so a long reply costs no more per step."""
+    if not any(cue in tokenizer.decode(out[-CUE_TOKENS:]) for cue in cues):
+        return False
+    start = len(out) - 1  # back to the latest token from which the reply still holds the cue
+    while not any(cue in tokenizer.decode(out[start:]) for cue in cues):
+        start -= 1
+    del out[start:]
+    return True
+
+
 def stop_token_ids(loaded: Any) -> set[int]:
     """Where a reply ends: the end tokens of the model's generation config and tokenizer, and its
     family's end-of-turn tokens (a GGUF's config names ``<eos>`` alone, Gemma replies end with

@@ -16,7 +16,7 @@ import torch
 
 from .cache import IceCache
 from .cache.window import seen
-from .chat import stop_token_ids
+from .chat import cut_at_cue, stop_cues, stop_token_ids
 from .config import Settings
 from .doc_prefix import DocPrefixes
 from .fast_step import fast_step_for
@@ -120,6 +120,7 @@ class Session(DocPrefixes):
         self.settings = settings
         self.method = method
         self.stop_ids = stop_token_ids(loaded)
+        self.stop_cues = stop_cues(loaded)
         self.cache = None
         self.cached_ids: list[int] = []  # the tokens whose keys and values the cache holds
         self.new_tokens = 0  # the generation room of the current run (positions: auto reads it)
@@ -375,6 +376,8 @@ class Session(DocPrefixes):
             if token in self.stop_ids:
                 break
             out.append(token)
+            if self.stop_cues and cut_at_cue(self.loaded.tokenizer, out, self.stop_cues):
+                break
             report("decode", len(out), max_new_tokens)
             watch(out, stats)
             if len(out) >= max_new_tokens:

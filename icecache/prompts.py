@@ -76,6 +76,9 @@ def qa_messages(document: str, question: str, name: str | None = None) -> Messag
 
 
 ANSWER_CUE = "Answer:"  # where a reply starts, for a base model too (:func:`render`)
+# the labels of the prompts' lines: a plain-text reply that starts a line with one has ended
+# (:func:`~icecache.chat.stop_cues`)
+CUE_LABELS = ("Question:", ANSWER_CUE)
 
 
 def cot_messages(problem: str, name: str | None = None) -> Messages:

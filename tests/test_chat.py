@@ -88,3 +88,30 @@ def test_the_settings_choices_are_the_modules():
     from icecache import chat, config
 
     assert config.CHAT_CHOICES == chat.CHOICES
+
+
+class _Chars:
+    """A tokenizer of one character per token (ids are code points)."""
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+
+def test_a_plain_reply_ends_where_it_opens_a_line_with_the_prompts_labels():
+    from types import SimpleNamespace
+
+    from icecache.chat import cut_at_cue, stop_cues
+
+    assert stop_cues(SimpleNamespace(template="gemma")) == ()  # a template ends turns by tokens
+    cues = stop_cues(SimpleNamespace(template="plain"))
+    assert cues == ("\nQuestion:", "\nAnswer:")
+    tok, out, cut_after = _Chars(), [], None
+    for i, ch in enumerate(" Lisbon.\nQuestion: What is the budget?"):
+        out.append(ord(ch))
+        if cut_at_cue(tok, out, cues):
+            cut_after = i
+            break
+    assert tok.decode(out) == " Lisbon." and cut_after == len(" Lisbon.\nQuestion:") - 1
+    # a label inside a line, or a line that starts otherwise, goes on
+    out = [ord(c) for c in " The Answer: Lisbon.\nThe end"]
+    assert not cut_at_cue(tok, out, cues) and len(out) == len(" The Answer: Lisbon.\nThe end")
