@@ -119,7 +119,7 @@ def bench_main(
 
 def check_llama_cpp(model: str | None) -> Path:
     """``--methods ...,llama.cpp``: the GGUF file it runs; a one-line error when llama-cpp-python
-    is not installed or the model is not a GGUF file."""
+    is not installed, the model is not a GGUF file, or llama.cpp dies on this CPU."""
     why = llama_cpp.missing()
     if why is not None:
         raise UsageError(f"--methods {llama_cpp.NAME}: {why}")
@@ -127,6 +127,9 @@ def check_llama_cpp(model: str | None) -> Path:
     if gguf is None:
         raise UsageError(f"--methods {llama_cpp.NAME}: llama.cpp reads GGUF files only; "
                          "give --model a .gguf file (or leave it out: the embedded model is one)")
+    dies = llama_cpp.crashes(gguf) if gguf.is_file() else None
+    if dies is not None:
+        raise UsageError(f"--methods {llama_cpp.NAME}: {dies}")
     return gguf
 
 

@@ -124,6 +124,9 @@ def test_real_llama_cpp_reads_the_same_tokens(loaded, cpu_settings):
     pytest.importorskip("llama_cpp")
     import torch
 
+    dies = llama_cpp.crashes(llama_cpp.gguf_of(None))
+    if dies is not None:  # the installed build is for another CPU: nothing of icecache to test
+        pytest.skip(dies)
     from icecache.bench.decode_bench import context_ids
     from icecache.generation import Session
 
@@ -138,3 +141,15 @@ def test_real_llama_cpp_reads_the_same_tokens(loaded, cpu_settings):
             logits = session.forward([ours[-1]])
     assert t.tokens == ours
     print(json.dumps({"llama.cpp": t.tokens, "icecache": ours}))
+
+
+def test_a_llama_cpp_build_that_dies_on_this_cpu_is_caught_in_a_child_process(tmp_path, monkeypatch):
+    """A native library built for other instructions kills its process with SIGILL (no exception
+    to catch): the probe runs in a child, and the bench names the cause instead of dying."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    monkeypatch.setattr(llama_cpp, "_PROBE", "import os, signal; os.kill(os.getpid(), signal.SIGILL)")
+    why = llama_cpp.crashes(gguf)
+    assert why is not None and "SIGILL" in why and "rebuild it for this CPU" in why
+    monkeypatch.setattr(llama_cpp, "_PROBE", "import sys; assert sys.argv[1].endswith('m.gguf')")
+    assert llama_cpp.crashes(gguf) is None

@@ -32,14 +32,49 @@ def missing() -> str | None:
     return None
 
 
+# a child process loads the GGUF and evaluates a few tokens (the first prefill is where a build
+# for other instructions dies)
+_PROBE = """
+import sys, llama_cpp
+llm = llama_cpp.Llama(model_path=sys.argv[1], n_ctx=64, n_threads=1, verbose=False)
+llm.eval([1, 2, 3, 4])
+"""
+
+
+def crashes(gguf: Path, timeout: float = 300.0) -> str | None:
+    """Why llama.cpp dies on this machine, or None where it runs: its native library, built for
+    instructions this CPU lacks (a build with AVX-512 on an AVX2-only CPU), kills the process
+    with SIGILL at its first prefill, which no exception can catch, so a child process tries it
+    first."""
+    import signal
+    import subprocess
+    import sys
+
+    try:
+        done = subprocess.run([sys.executable, "-c", _PROBE, str(gguf)], capture_output=True, timeout=timeout)
+    except subprocess.TimeoutExpired:
+        return None  # slow, not dead: the run itself will tell
+    if done.returncode >= 0:
+        return None
+    sig = -done.returncode
+    name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+    if sig == signal.SIGILL:
+        return (f"llama-cpp-python dies here ({name}): it was built for instructions this CPU lacks; "
+                "rebuild it for this CPU (docs/usage.md, \"Building llama-cpp-python\")")
+    return f"llama-cpp-python dies here ({name}) on its first prefill"
+
+
 def gguf_of(spec: str | None) -> Path | None:
-    """The GGUF file a ``--model`` value names (the embedded model's own file when none), or
+    """The GGUF file a ``--model`` value names (the embedded model's own file when none, Gemma 3
+    270M's for ``gemma-3-270m``), or
     None for a model folder or an HF id (llama.cpp reads GGUF only). A ``.gguf`` path that does
     not exist is returned as it is: loading the model reports it."""
-    from ..models import embedded_gguf_path, names_embedded
+    from ..models import GEMMA_NAME, embedded_gguf_path, gemma_gguf_path, names_embedded
 
     if names_embedded(spec):
         return embedded_gguf_path()
+    if spec == GEMMA_NAME:  # the file assembled from its packages (one line naming them if absent)
+        return gemma_gguf_path()
     return Path(spec).expanduser() if spec.endswith(".gguf") else None
 
 
