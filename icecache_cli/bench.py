@@ -73,6 +73,10 @@ def bench_main(
     with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
         loaded = load_model(opts.model, settings, log=rep.info)
         results = []
+        from icecache.bench import floor as bandwidth
+
+        floor = bandwidth.measure(loaded.model)
+        rep.info(floor.line())
         from .live import memory_now
 
         def log(message: str) -> None:
@@ -107,6 +111,9 @@ def bench_main(
                 by_positions[pos] = rows
                 if not quiet:
                     print_bench_table(rows, n, f"positions {pos}" if len(position_list) > 1 else "")
+            if not quiet:
+                for line in floor_lines(results, n, floor.ms):
+                    stderr.print(line, markup=False)
             if not quiet and llama_cpp.NAME in method_list:
                 for line in llama_cpp_lines(results, n):
                     stderr.print(line, markup=False)
@@ -114,7 +121,7 @@ def bench_main(
                 for line in positions_ratios(by_positions):
                     stderr.print(line, markup=False)
         if as_json:
-            emit(json.dumps({"results": results}))
+            emit(json.dumps({"results": results, "floor": floor.as_dict()}))
 
 
 def check_llama_cpp(model: str | None) -> Path:
@@ -131,6 +138,13 @@ def check_llama_cpp(model: str | None) -> Path:
     if dies is not None:
         raise UsageError(f"--methods {llama_cpp.NAME}: {dies}")
     return gguf
+
+
+def floor_lines(results: list[dict], n: int, floor_ms: float) -> list[str]:
+    """Each measured method's TPOT at ``n`` tokens as a multiple of the bandwidth floor."""
+    return [f"{r['method']} at {n} tokens: TPOT {r['tpot_ms']:.1f} ms = {r['tpot_ms'] / floor_ms:.1f}x "
+            f"the bandwidth floor ({floor_ms:.2f} ms)" for r in results
+            if r["ctx"] == n and r["status"] == "ok" and r.get("tpot_ms")]
 
 
 def llama_cpp_lines(results: list[dict], n: int) -> list[str]:

