@@ -270,8 +270,11 @@ def read_tensors(path: str | Path) -> tuple[str, list[Tensor]]:
     start = -(-at // align) * align
     tensors = []
     for name, shape, kind, offset in infos:
-        qtype = GGMLQuantizationType(kind)
-        per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        try:
+            qtype = GGMLQuantizationType(kind)
+            per_block, block_bytes = GGML_QUANT_SIZES[qtype]
+        except (ValueError, KeyError):  # a format newer than this gguf package: left as loaded
+            continue
         cols, rows = shape[0], int(np.prod(shape[1:])) if len(shape) > 1 else 1
         row_bytes = cols // per_block * block_bytes
         raw = data[start + offset : start + offset + rows * row_bytes].reshape(rows, row_bytes)
