@@ -3,10 +3,11 @@
 ``float``: the model's own dtype (nothing changes). ``int8``: weight-only quantization with one
 float scale per output channel (symmetric, round to nearest), the LM head included. ``int4``:
 four-bit values in groups of 32 inputs, each group with its own scale and minimum (asymmetric,
-round to nearest); the LM head becomes a :class:`CheckedHead` (int8 logits, the tokens that could
-be the largest recomputed from the float weights). ``auto`` (:func:`apply_weights`): int4 on the
-CPU when it holds every layer it replaces exactly, else the model's own weights. Activations stay
-in the model's dtype outside the layers.
+round to nearest); the LM head becomes a :class:`~icecache.head.CheckedHead` (int8 logits, the
+tokens that could be the largest recomputed from the float weights). ``auto``
+(:func:`apply_weights`): on the CPU, int4 for each layer it holds exactly, a GGUF's other
+quantized layers packed from the file's blocks (:mod:`icecache.gguf_weights`), the rest as they
+are. Activations stay in the model's dtype outside the layers.
 
 A decode step multiplies one row by every weight matrix, so it is bound by reading the weights:
 int8 reads a quarter of float32's bytes, int4 an eighth. The products are torch's own CPU kernels
@@ -19,9 +20,7 @@ Why int4 keeps the answers: a Q4_1 GGUF (the embedded model's) stores every line
 ``d * q + m`` in blocks of 32 inputs, with q in 0..15. Groups of 32 with their own minimum and
 step find those values again exactly, so the int4 layers hold the file's own weights; what differs
 from the float path is the bfloat16 rounding of the products. The LM head comes from the file's
-Q8_0 token embedding, which four bits cannot hold, and its logits choose every token: with a
-plain int8 head the agreement with the float model fell from 0.995 to 0.985 (docs/results.md,
-"Weights"), so the int8 logits only narrow the choice and the float weights decide it.
+Q8_0 token embedding, which four bits cannot hold: it is checked int8 (:mod:`icecache.head`).
 
 :func:`dequantized` and :func:`dequantized_groups` are the plain references the tests compare
 :class:`Int8Linear` and :class:`Int4Linear` with.
@@ -232,100 +231,6 @@ class Int4Linear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
 
 
-# Relative rounding of a bfloat16 value (8 significant bits, round to nearest: half a unit in the
-# last place is 2**-9; twice that is allowed), and of the float32 sums inside the kernel.
-BF16_REL = 2.0 ** -8
-SUM_REL = 2.0 ** -16
-
-
-# Rows of the head quantized at a time: a block's temporaries stay in the CPU's caches (the whole
-# 49152 x 576 head at once took 1.2 s to load, blocks of 1024 rows take a fraction of that)
-HEAD_BLOCK = 1024
-
-
-def head_tables(weight: torch.Tensor, block: int = HEAD_BLOCK
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:class:`CheckedHead`'s tables, block by block of rows: (int8 weight, its scale in the
-    kernel's dtype, each row's largest error of the int8 row with that scale against the float
-    row, each row's largest absolute weight). The same values as :func:`quantize_rows` and the
-    whole-matrix errors (the test compares them)."""
-    n, k = weight.shape
-    dev = weight.device
-    q = torch.empty(n, k, dtype=torch.int8, device=dev)
-    scale_c = torch.empty(n, dtype=COMPUTE, device=dev)
-    err, wmax = torch.empty(n, device=dev), torch.empty(n, device=dev)
-    for lo in range(0, n, block):
-        hi = min(n, lo + block)
-        w = weight[lo:hi].detach().float()
-        qb, sb = quantize_rows(w)
-        q[lo:hi], scale_c[lo:hi] = qb, sb.to(COMPUTE)
-        err[lo:hi] = (qb.float() * scale_c[lo:hi].float()[:, None] - w).abs().amax(1)
-        wmax[lo:hi] = w.abs().amax(1)
-    return q, scale_c, err, wmax
-
-
-class CheckedHead(nn.Module):
-    """The LM head for ``int4``: logits from int8 weights (one scale per row, torch's int8 kernel),
-    then every token whose logit could still be the largest recomputed from the float weights.
-
-    For each row i of the head the approximate logit is within ``bound_i`` of the exact one:
-    ``err_i * |x^|_1`` (the int8 row's largest weight error against the float row, with the
-    kernel's bfloat16 scale) ``+ max|w_i| * |x - x^|_1`` (the input rounded to bfloat16)
-    ``+ 2**-8 * |approx_i|`` (the output rounded to bfloat16) ``+ 2**-16 * max|w_i| * |x^|_1`` (the
-    kernel's float32 sums). A token can be the exact maximum only if ``approx_i + bound_i`` reaches
-    the largest ``approx_k - bound_k``; those tokens (a dozen or so on the embedded model) get their
-    exact float logits, so the largest logit, and with it the greedy choice, is the float head's.
-    The others keep their approximate values (within their bound). The weight is the float head's
-    own tensor (the embedding it is tied to), so the head adds only its int8 copy."""
-
-    form = "int8 head (checked)"
-
-    def __init__(self, linear: nn.Linear):
-        super().__init__()
-        w = linear.weight.detach()
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight = w
-        self.bias = None if linear.bias is None else linear.bias.detach().clone()
-        q, scale_c, err, wmax = head_tables(w)
-        self.register_buffer("qweight", q, persistent=False)
-        self.register_buffer("scale_c", scale_c, persistent=False)
-        self.register_buffer("row_err", err, persistent=False)
-        self.register_buffer("row_max", wmax, persistent=False)
-        self.exact_rows = 0  # tokens recomputed from the float weights so far (for the bench)
-
-    def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(approximate logits [rows, V] in float32, mask of the tokens that could be the maximum)."""
-        xc = x.to(COMPUTE).contiguous()
-        approx = torch.ops.aten._weight_int8pack_mm(xc, self.qweight, self.scale_c).float()
-        if self.bias is not None:
-            approx += self.bias.float()
-        xr = xc.float()
-        l1 = xr.abs().sum(-1, keepdim=True)
-        dx = (xr - x.float()).abs().sum(-1, keepdim=True)
-        bound = (self.row_err * l1 + self.row_max * (dx + SUM_REL * l1)
-                 + BF16_REL * approx.abs() + 1e-6)
-        floor = (approx - bound).amax(-1, keepdim=True)
-        return approx, approx + bound >= floor
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():  # many rows, or a prompt: the float product
-            return nn.functional.linear(x, self.weight, self.bias)
-        approx, mask = self.candidates(rows)
-        for r in range(rows.shape[0]):
-            idx = mask[r].nonzero().flatten()
-            exact = self.weight.index_select(0, idx) @ rows[r].to(self.weight.dtype)
-            if self.bias is not None:
-                exact = exact + self.bias.index_select(0, idx)
-            approx[r].index_copy_(0, idx, exact.float())
-            self.exact_rows += int(idx.numel())
-        return approx.to(self.weight.dtype).reshape(*shape[:-1], self.out_features)
-
-    def extra_repr(self) -> str:
-        return f"in_features={self.in_features}, out_features={self.out_features}, int8 + exact candidates"
-
-
 def _head_names(model: nn.Module) -> set[str]:
     """The module names of the model's output projection (the LM head), if it says which."""
     get = getattr(model, "get_output_embeddings", None)
@@ -364,7 +269,7 @@ def apply_weights(model: nn.Module, fmt: str, device: str = "cpu", gguf: str | N
     (:func:`exact_int4_layers`); of the others, those the GGUF file ``gguf`` (the model's source,
     when it is one) stores in a format with packed planes, from the file's own blocks
     (:func:`~icecache.gguf_weights.gguf_layers`); the rest as they are; and the LM head as a
-    :class:`CheckedHead` (int8 logits, the possible maximum recomputed from its float weights:
+    :class:`~.head.CheckedHead` (int8 logits, the possible maximum recomputed from its float weights:
     the greedy token is the float head's). Returns ``int4`` when every layer is int4 (the
     embedded model; what differs from the float model is the bfloat16 rounding of a decode
     step's products, 99.5% the same tokens), ``packed`` when every layer is int4 or planes,
@@ -376,11 +281,11 @@ def apply_weights(model: nn.Module, fmt: str, device: str = "cpu", gguf: str | N
     if device != "cpu":
         return "float"
     layers, heads = exact_int4_layers(model), _head_names(model)
-    if gguf is not None:
+    rest = {name for name, mod in model.named_modules()
+            if isinstance(mod, nn.Linear) and name not in heads and name not in layers}
+    if gguf is not None and rest:  # (the embedded model's layers are all int4 already)
         from .gguf_weights import gguf_layers
 
-        rest = {name for name, mod in model.named_modules()
-                if isinstance(mod, nn.Linear) and name not in heads and name not in layers}
         layers.update(gguf_layers(gguf, model, rest))
     every = all(name in layers or name in heads for name, mod in model.named_modules()
                 if isinstance(mod, nn.Linear) and int4_fits(mod))
@@ -405,9 +310,11 @@ def quantize_model(model: nn.Module, fmt: str, built: dict[str, nn.Module] | Non
     """Replace the linear layers of ``model`` in format ``fmt``; returns how many were replaced.
     ``float`` leaves the model as it is; ``int8`` replaces every linear layer, the LM head
     included; ``int4`` every one whose shape its kernel takes, and the LM head as a
-    :class:`CheckedHead` (int8 logits, the possible maximum recomputed in float). ``built``: layers
+    :class:`~.head.CheckedHead` (int8 logits, the possible maximum recomputed in float). ``built``: layers
     made already, by module name (:func:`exact_int4_layers`'s); ``only_built``: of the others,
     the LM head alone."""
+    from .head import CheckedHead  # (it builds on this module's int8 rows)
+
     if fmt not in WEIGHT_FORMATS or fmt == "auto":
         raise ValueError(f"unknown weight format '{fmt}' (known: {', '.join(WEIGHT_FORMATS)})")
     if fmt == "float":

@@ -9,6 +9,7 @@ from torch import nn
 
 from icecache import weights as W
 from icecache.bench import floor
+from icecache.head import CheckedHead
 
 
 class _TwoLayers(nn.Module):
@@ -28,7 +29,7 @@ def test_weight_bytes_count_each_layer_in_the_form_it_is_read():
     as_float = floor.weight_bytes(model)
     assert as_float == 4 * (128 * 64 + 128 * 64 + 64 + 64 * 96)
     model.a = W.Int4Linear(model.a)
-    model.head = W.CheckedHead(model.head)
+    model.head = CheckedHead(model.head)
     # int4: half a byte a weight and a bfloat16 step and offset per group of 32; the head: a byte a
     # weight, a bfloat16 scale and two float32 bounds per row; b unchanged
     int4 = 128 * 64 // 2 + (128 // 32) * 64 * 2 * 2

@@ -11,6 +11,7 @@ from torch import nn
 from icecache import weights as W
 from icecache.config import resolve_settings
 from icecache.errors import ProfileError
+from icecache.head import CheckedHead, head_tables
 
 
 def _linear(inp: int, out: int, bias: bool, seed: int = 0) -> nn.Linear:
@@ -199,7 +200,7 @@ def test_int4_model_checks_the_lm_head_and_keeps_the_shapes_the_kernel_cannot_ta
     assert W.quantize_model(model, "int4") == 2
     assert isinstance(model.body[0], W.Int4Linear)
     assert all(type(model.body[i]) is nn.Linear for i in (2, 4))
-    assert isinstance(model.lm_head, W.CheckedHead)
+    assert isinstance(model.lm_head, CheckedHead)
     assert model.lm_head.weight.data_ptr() == head_weight.data_ptr()  # the float weight, not a copy
     after = model(x)
     assert torch.allclose(after, before, atol=0.1 * before.abs().max().item())
@@ -234,7 +235,7 @@ def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
     before = model(x).detach()
     assert W.exact_int4_layers(model) == {}
     assert W.apply_weights(model, "auto") == "float+int8head"
-    assert type(model.body[0]) is nn.Linear and isinstance(model.lm_head, W.CheckedHead)
+    assert type(model.body[0]) is nn.Linear and isinstance(model.lm_head, CheckedHead)
     assert torch.equal(model(x).argmax(-1), before.argmax(-1))
     # weights that are 4-bit groups already: auto gives the int4 model, the same as asking for int4
     grouped = _TinyLM()
@@ -244,7 +245,7 @@ def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
     ref_weight_ptr = grouped.body[0].weight.data_ptr()
     float_copy = copy.deepcopy(grouped)
     assert W.apply_weights(grouped, "auto") == "int4"
-    assert isinstance(grouped.body[0], W.Int4Linear) and isinstance(grouped.lm_head, W.CheckedHead)
+    assert isinstance(grouped.body[0], W.Int4Linear) and isinstance(grouped.lm_head, CheckedHead)
     assert type(grouped.body[2]) is nn.Linear  # a shape the kernel cannot take stays float
     W.quantize_model(ref, "int4")
     assert torch.equal(grouped(x), ref(x))
@@ -255,7 +256,7 @@ def test_auto_weights_take_int4_only_where_it_holds_the_model_exactly():
     with torch.no_grad():
         one_layer_off.body[0].weight[3, 5] += 1e-3
     assert W.apply_weights(one_layer_off, "auto") == "float+int8head"
-    assert type(one_layer_off.body[0]) is nn.Linear and isinstance(one_layer_off.lm_head, W.CheckedHead)
+    assert type(one_layer_off.body[0]) is nn.Linear and isinstance(one_layer_off.lm_head, CheckedHead)
     # two such layers, one of them off: int4 where it is exact, float where not
     mixed = _TinyLM()
     mixed.body = nn.Sequential(nn.Linear(64, 32), nn.ReLU(), nn.Linear(32, 64))
@@ -286,7 +287,7 @@ def test_the_embedded_model_loads_in_int4_with_auto_weights(cpu_settings):
 
     loaded = load_model(None, cpu_settings.replace(weights="auto"))
     assert loaded.weights == "int4"
-    assert isinstance(loaded.model.get_output_embeddings(), W.CheckedHead)
+    assert isinstance(loaded.model.get_output_embeddings(), CheckedHead)
     assert sum(isinstance(m, W.Int4Linear) for m in loaded.model.modules()) == 7 * loaded.model.config.num_hidden_layers
 
 
@@ -322,7 +323,7 @@ def test_head_tables_block_by_block_equal_the_whole_matrix():
     scale_c = scale.to(W.COMPUTE)
     err = (q.float() * scale_c.float()[:, None] - w).abs().amax(1)
     for block in (1000, 333, 64):
-        got = W.head_tables(w, block=block)
+        got = head_tables(w, block=block)
         assert torch.equal(got[0], q) and torch.equal(got[1], scale_c)
         assert torch.equal(got[2], err) and torch.equal(got[3], w.abs().amax(1))
 
@@ -336,7 +337,7 @@ def test_checked_head_gives_the_float_heads_largest_logit(bias):
     with torch.no_grad():
         lin.weight[7] = lin.weight[5] + 1e-4  # near-ties between rows 5 and 7
         lin.weight.mul_(torch.linspace(0.5, 2.0, 512)[:, None])
-    head = W.CheckedHead(lin)
+    head = CheckedHead(lin)
     x = torch.randn(2, 3, 64)
     x[0, 0] = lin.weight[5].detach() * 2  # a row whose maximum is row 5 or 7, barely apart
     ref = lin(x).detach()
@@ -357,7 +358,7 @@ def test_checked_head_gives_the_float_heads_largest_logit(bias):
 
 def test_the_embedded_models_checked_head_picks_the_float_heads_tokens(loaded):
     head = loaded.model.get_output_embeddings()
-    checked = W.CheckedHead(head)
+    checked = CheckedHead(head)
     torch.manual_seed(4)
     hidden = torch.randn(40, head.in_features) * 0.5
     with torch.inference_mode():

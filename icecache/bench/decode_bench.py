@@ -88,10 +88,9 @@ def start(loaded, settings, method: str, pre: Prefilled, warmup: int = 2,
 
 
 def is_linear(module: torch.nn.Module) -> bool:
-    """A linear layer of the model: torch's own or a quantized one (icecache.weights)."""
-    from ..weights import CheckedHead, Int4Linear, Int8Linear
-
-    return isinstance(module, (torch.nn.Linear, Int8Linear, Int4Linear, CheckedHead))
+    """A linear layer of the model: torch's own or a quantized one (each of those names its
+    ``form``: icecache.weights, icecache.head, icecache.gguf_weights)."""
+    return isinstance(module, torch.nn.Linear) or getattr(module, "form", None) is not None
 
 
 class LinearClock:

@@ -25,7 +25,7 @@ def weight_bytes(model: nn.Module) -> int:
     """Bytes of weights a decode step of ``model`` reads: each linear layer's stored form (a
     packed layer's packed values and tables, the checked head's int8 rows with their scales and
     bounds, a float layer's matrix) and biases."""
-    from ..weights import CheckedHead
+    from ..head import CheckedHead
 
     total = 0
     for mod in model.modules():
