@@ -15,8 +15,8 @@ Every other format (F16, Q2_K, Q3_K, the IQ kinds) stays as transformers loaded 
 
 A layer is packed only where the planes give back transformers' float weight exactly (or, for
 Q6_K, within half a step of eight bits): the file's tensor names are mapped to the model's by
-transformers' own map, with its row order (Llama's q/k rows are permuted on load), and any layer
-that does not come back the same stays float. The block layouts are ggml's (``ggml-common.h``).
+gguf's tensor-name map (the one transformers loads with), in transformers' row order (Llama's q/k
+rows are permuted on load), and any layer that does not come back the same stays float. The block layouts are ggml's (``ggml-common.h``).
 """
 
 from __future__ import annotations
