@@ -29,7 +29,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from .weights import COMPUTE, GROUP, ROWS_INT8_KERNEL, in_prompt, int4_fits, prompt_product
+from .weights import COMPUTE, GROUP, int4_fits, int4_product
 
 EXACT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0")
 NEAREST = ("Q6_K",)
@@ -169,16 +169,7 @@ class PlanesLinear(nn.Module):
         self._half_weights: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
-            return prompt_product(self, x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
-                                                      GROUP, self.kernel_table)
-        y = y.float().view(rows.shape[0], self.planes, self.out_features).sum(1).to(self.act_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return int4_product(self, x, self.planes)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.form} as "

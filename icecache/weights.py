@@ -149,6 +149,24 @@ def prompt_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.to(layer.act_dtype), layer.widened, layer.bias)
 
 
+def int4_product(layer: nn.Module, x: torch.Tensor, planes: int = 1) -> torch.Tensor:
+    """A packed layer's product (:class:`Int4Linear`; ``planes`` > 1: the GGUF planes of
+    :mod:`icecache.gguf_weights`, each a set of output rows, summed in float32): a decode
+    step's rows through torch's int4 kernel, a prompt's through :func:`prompt_product`."""
+    shape = x.shape
+    rows = x.reshape(-1, shape[-1])
+    if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
+        return prompt_product(layer, x)
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), layer.kernel_weight,
+                                                  GROUP, layer.kernel_table)
+    if planes > 1:
+        y = y.float().view(rows.shape[0], planes, layer.out_features).sum(1)
+    y = y.to(layer.act_dtype)
+    if layer.bias is not None:
+        y = y + layer.bias.to(y.dtype)
+    return y.reshape(*shape[:-1], layer.out_features)
+
+
 # int4: inputs per group (a Q4_1 block); torch's CPU int4 packing takes output channels in
 # multiples of 16
 GROUP = 32
@@ -217,15 +235,7 @@ class Int4Linear(nn.Module):
         self._half_weights: dict = {}  # the widened values in a 16-bit dtype (prompt_products(half))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        rows = x.reshape(-1, shape[-1])
-        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
-            return prompt_product(self, x)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), self.kernel_weight,
-                                                      GROUP, self.kernel_table).to(self.act_dtype)
-        if self.bias is not None:
-            y = y + self.bias.to(y.dtype)
-        return y.reshape(*shape[:-1], self.out_features)
+        return int4_product(self, x)
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, int4 groups of {GROUP}"
