@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from . import int8_rows
 from .weights import COMPUTE, ROWS_INT8_KERNEL, in_prompt, quantize_rows
 
 # Relative rounding of a bfloat16 value (8 significant bits, round to nearest: half a unit in the
@@ -69,14 +70,32 @@ class CheckedHead(nn.Module):
         self.weight = w
         self.bias = None if linear.bias is None else linear.bias.detach().clone()
         q, scale_c, err, wmax = head_tables(w)
-        self.register_buffer("qweight", q, persistent=False)
+        # on the CPU the int8 rows live in int8_rows' tiles only (Gemma 3's are 168 MB)
+        self.tiles = int8_rows.tile(q) if w.device.type == "cpu" else None
+        self.register_buffer("qweight", None if self.tiles is not None else q, persistent=False)
         self.register_buffer("scale_c", scale_c, persistent=False)
+        self.register_buffer("scale", scale_c.float(), persistent=False)
         self.register_buffer("row_err", err, persistent=False)
         self.register_buffer("row_max", wmax, persistent=False)
+        # the tiles' bound per unit of |x|_1 (see candidates)
+        self.register_buffer("row_bound", err + (wmax + err) * int8_rows.sum_error(self.in_features),
+                             persistent=False)
         self.exact_rows = 0  # tokens recomputed from the float weights so far (for the bench)
 
     def candidates(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(approximate logits [rows, V] in float32, mask of the tokens that could be the maximum)."""
+        """(approximate logits [rows, V] in float32, mask of the tokens that could be the maximum).
+        On the CPU the int8 logits come from :mod:`~icecache.int8_rows` with the input in float32:
+        the bound is then ``err_i * |x|_1`` plus the kernel's float32 sums
+        (:func:`~icecache.int8_rows.sum_error` times the largest weight, ``max|w_i| + err_i``, times
+        ``|x|_1``): one product per row, ``row_bound``, in the kernel's pass over the rows."""
+        if self.tiles is not None:
+            approx, masks = [], []
+            for r in x.float():
+                out, upper, floor = int8_rows.product(self.tiles, self.scale, r, self.out_features, self.bias,
+                                                      self.row_bound, float(r.abs().sum()))
+                approx.append(out)
+                masks.append(upper >= floor)
+            return torch.stack(approx), torch.stack(masks)
         xc = x.to(COMPUTE).contiguous()
         approx = torch.ops.aten._weight_int8pack_mm(xc, self.qweight, self.scale_c).float()
         if self.bias is not None:

@@ -31,9 +31,10 @@ def test_weight_bytes_count_each_layer_in_the_form_it_is_read():
     model.a = W.Int4Linear(model.a)
     model.head = CheckedHead(model.head)
     # int4: half a byte a weight and a bfloat16 step and offset per group of 32; the head: a byte a
-    # weight, a bfloat16 scale and two float32 bounds per row; b unchanged
+    # weight in tiles of 64 rows (96 rows are two tiles: the padding is read too), a float32 scale
+    # and bound per row; b unchanged
     int4 = 128 * 64 // 2 + (128 // 32) * 64 * 2 * 2
-    head = 64 * 96 + 96 * (2 + 4 + 4)
+    head = 64 * 128 + 96 * (4 + 4)
     assert floor.weight_bytes(model) == int4 + 4 * (128 * 64 + 64) + head
 
 

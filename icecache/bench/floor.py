@@ -30,7 +30,8 @@ def weight_bytes(model: nn.Module) -> int:
     total = 0
     for mod in model.modules():
         if isinstance(mod, CheckedHead):
-            tensors = [mod.qweight, mod.scale_c, mod.row_err, mod.row_max, mod.bias]
+            tensors = [mod.qweight, mod.scale, mod.row_bound, mod.bias]
+            total += 0 if mod.tiles is None else mod.tiles.nbytes
         elif isinstance(mod, nn.Linear):
             tensors = [mod.weight, mod.bias]
         elif getattr(mod, "form", None) is not None:  # a packed layer (its buffers are what it reads)
