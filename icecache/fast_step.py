@@ -22,10 +22,21 @@ modules keep views of the joined weights, so nothing is stored twice. A prompt s
 (:func:`~icecache.weights.in_prompt`: the float model's products) or a layer whose modules were
 replaced since takes the modules' own calls.
 
-Which models: Llama, Mistral, Qwen2 and Qwen3 decoder layers, SiLU MLPs, full attention in every
-layer (no sliding window), RoPE over the whole head, on the CPU in float32. Anything else runs
-transformers' forward, which stays the reference the fast step is tested against
-(tests/test_fast_step.py: the logits of every method's decode steps).
+Gemma 2 and Gemma 3 differ from the Llama family in ways the step follows op for op: their RMS
+norms scale by ``1 + weight``; a norm after the attention's output and one before and after the
+MLP ("sandwich" norms); a GELU MLP (the module's own activation); per-head q/k norms (Gemma 3,
+and Qwen 3); a RoPE per layer kind (Gemma 3: one base for its window layers, another for its
+global ones); capped attention scores (Gemma 2, passed to the attention function as the model
+passes them) and capped logits.
+
+Window layers (Gemma's, Mistral's or Qwen 2's sliding window): a decode step's query sees every
+key its cache layer returns, since the caches keep such a layer's window and nothing older
+(:mod:`~icecache.cache.window`), so no mask is made for them either.
+
+Which models: Llama, Mistral, Qwen2, Qwen3, Gemma 2 and Gemma 3 decoder layers, RoPE over the
+whole head, on the CPU in float32. Anything else runs transformers' forward, which stays the
+reference the fast step is tested against (tests/test_fast_step.py: the logits of every method's
+decode steps).
 """
 
 from __future__ import annotations
@@ -42,13 +53,37 @@ SUPPORTED = {  # model_type -> the decoder layer class transformers uses for it
     "mistral": "MistralDecoderLayer",
     "qwen2": "Qwen2DecoderLayer",
     "qwen3": "Qwen3DecoderLayer",
+    "gemma2": "Gemma2DecoderLayer",
+    "gemma3_text": "Gemma3DecoderLayer",
 }
+GEMMA = ("gemma2", "gemma3_text")  # norms by 1 + weight, sandwich norms around attention and MLP
 
 
 def _rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """The Llama family's RMS norm of a float32 row, op for op as transformers computes it."""
     variance = x.pow(2).mean(-1, keepdim=True)
     return weight * (x * torch.rsqrt(variance + eps))
+
+
+def _llama_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    return _rms_norm(x, norm.weight, norm.variance_epsilon)
+
+
+def _gemma_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """Gemma's RMS norm of a float32 row (scaled by ``1 + weight``), op for op as transformers'."""
+    return (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.eps)) * (1.0 + norm.weight.float())
+
+
+def _inv_freqs(rotary: Any) -> list[torch.Tensor]:
+    """The rotary module's inverse frequencies (one per layer kind in Gemma 3)."""
+    return [buf for name, buf in rotary.named_buffers() if name.endswith("inv_freq") and "original" not in name]
+
+
+def _takes_layer_type(rotary: Any) -> bool:
+    """Whether the rotary module's forward takes a layer kind (Gemma 3's: a RoPE base per kind)."""
+    import inspect
+
+    return "layer_type" in inspect.signature(rotary.forward).parameters
 
 
 def why_not(model: Any) -> str | None:
@@ -63,12 +98,8 @@ def why_not(model: Any) -> str | None:
         return "not a causal LM with decoder layers and a rotary embedding"
     if any(type(layer).__name__ != SUPPORTED[kind] for layer in layers):
         return "a decoder layer of another class"
-    if getattr(config, "hidden_act", "silu") != "silu":
-        return f"activation {config.hidden_act!r}"
-    if getattr(config, "sliding_window", None) and getattr(config, "use_sliding_window", True):
-        return "sliding-window attention"
-    if any(t != "full_attention" for t in (getattr(config, "layer_types", None) or [])):
-        return "a layer without full attention"
+    if any(t not in ("full_attention", "sliding_attention") for t in (getattr(config, "layer_types", None) or [])):
+        return "a layer with neither full nor sliding-window attention"
     try:
         param = next(model.parameters())
     except StopIteration:
@@ -76,8 +107,8 @@ def why_not(model: Any) -> str | None:
     if param.device.type != "cpu" or param.dtype != torch.float32:
         return f"{param.dtype} on {param.device.type} (the fast step is float32 on the CPU)"
     attn = layers[0].self_attn
-    half = inner.rotary_emb.inv_freq.shape[-1]
-    if 2 * half != attn.head_dim:
+    freqs = _inv_freqs(inner.rotary_emb)
+    if not freqs or any(2 * f.shape[-1] != attn.head_dim for f in freqs):
         return "RoPE over part of the head"
     return None
 
@@ -177,27 +208,60 @@ class FastStep:
         self.model = model
         inner = model.model
         self.inner = inner
+        config = model.config
         attn = inner.layers[0].self_attn
         self.head_dim = attn.head_dim
-        self.heads = model.config.num_attention_heads
-        self.kv_heads = model.config.num_key_value_heads
-        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
-        from transformers.models.llama.modeling_llama import eager_attention_forward
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        gemma = config.model_type in GEMMA
+        self.norm = _gemma_norm if gemma else _llama_norm
+        self.sandwich = gemma  # a norm after the attention's output, and before and after the MLP
+        self.silu = not gemma and getattr(config, "hidden_act", "silu") == "silu"  # else the MLP's act_fn
+        self.final_cap = getattr(config, "final_logit_softcapping", None)
+        # each layer's RoPE kind (Gemma 3: its layer type), or None: one RoPE for every layer
+        self.rope_kinds = list(config.layer_types) if _takes_layer_type(inner.rotary_emb) else None
+        # the attention function's keywords beyond the common ones, as each model's attention passes them
+        self.attend_kwargs = []
+        for layer in inner.layers:
+            a, kw = layer.self_attn, {}
+            if hasattr(a, "sliding_window") or config.model_type == "mistral":
+                kw["sliding_window"] = getattr(a, "sliding_window", getattr(config, "sliding_window", None))
+            if config.model_type == "gemma2":
+                kw["softcap"] = a.attn_logit_softcapping
+            self.attend_kwargs.append(kw)
+        import sys
 
-        # looked up each step (a method sets the model's attention implementation), imported once
-        self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager_attention_forward
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        # looked up each step (a method sets the model's attention implementation), imported once;
+        # "eager" is the model's own module's function (Gemma 2's caps its scores)
+        eager = sys.modules[type(attn).__module__].eager_attention_forward
+        self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager
         self.int4 = int4_layers(model)  # None: the modules' own products
+
+    def _angles(self, x: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (cos, sin) for this step from the model's own rotary module (its angles and
+        scaling), made once per RoPE kind."""
+        rotary, n = self.inner.rotary_emb, self.model.config.num_hidden_layers
+        if self.rope_kinds is None:
+            cos, sin = rotary(x, position_ids=position_ids)
+            return [(cos[:, None], sin[:, None])] * n
+        made = {}
+        for kind in set(self.rope_kinds[:n]):
+            cos, sin = rotary(x, position_ids, kind)
+            made[kind] = (cos[:, None], sin[:, None])
+        return [made[kind] for kind in self.rope_kinds[:n]]
 
     def step(self, token: int, cache: Any) -> torch.Tensor:
         inner, H, Hk, d = self.inner, self.heads, self.kv_heads, self.head_dim
+        norm = self.norm
         config = self.model.config
         attend = self._functions.get_interface(config._attn_implementation, self._eager)
         position = cache.get_seq_length() if cache is not None else 0
         ids = torch.tensor([[token]], dtype=torch.long)
         x = inner.embed_tokens(ids)  # (1, 1, D)
         position_ids = torch.tensor([[position]], dtype=torch.long)
-        cos, sin = inner.rotary_emb(x, position_ids=position_ids)  # the model's own angles and scaling
-        cos, sin = cos[:, None], sin[:, None]
+        angles = self._angles(x, position_ids)
         half = d // 2
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):  # as the forward does
@@ -205,9 +269,8 @@ class FastStep:
             j = joined[i] if joined is not None else None
             if j is not None and not j.current(layer):
                 j = None
-            norm = layer.input_layernorm
-            h = _rms_norm(x, norm.weight, norm.variance_epsilon)
-            if j is not None:
+            h = norm(x, layer.input_layernorm)
+            if j is not None:  # (no per-head norms: int4_layers)
                 qkv = j.product_of(h.view(1, -1).to(COMPUTE), j.qkv)
                 # q and k side by side: RoPE on both at once without joining them
                 qk = qkv[:, : (H + Hk) * d].view(1, 1, H + Hk, d).transpose(1, 2)
@@ -216,31 +279,42 @@ class FastStep:
                 q = a.q_proj(h).view(1, 1, H, d)
                 k = a.k_proj(h).view(1, 1, Hk, d)
                 v = a.v_proj(h).view(1, 1, Hk, d).transpose(1, 2)
-                if hasattr(a, "q_norm"):  # Qwen3: per-head norms before RoPE
-                    q = a.q_norm(q)
-                    k = a.k_norm(k)
+                if hasattr(a, "q_norm"):  # Qwen3, Gemma 3: per-head norms before RoPE
+                    q = norm(q, a.q_norm)
+                    k = norm(k, a.k_norm)
                 qk = torch.cat([q, k], dim=2).transpose(1, 2)
             # RoPE on q and k at once, op for op as transformers applies it
+            cos, sin = angles[i]
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin
             q, k = qk[:, :H], qk[:, H:]
             if cache is not None:
                 k, v = cache.update(k, v, i)
             out, _ = attend(a, q, k, v, None, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
-                            use_cache=True)
-            norm = layer.post_attention_layernorm
+                            use_cache=True, **self.attend_kwargs[i])
             if j is not None:
-                x = x + j.product_of(out.reshape(1, H * d).to(COMPUTE), j.o).view(1, 1, -1)
-                h = _rms_norm(x, norm.weight, norm.variance_epsilon)
-                gu = j.product_of(h.view(1, -1).to(COMPUTE), j.gate_up)
-                act = F.silu(gu[:, : j.inter]) * gu[:, j.inter :]
-                x = x + j.product_of(act.to(COMPUTE), j.down).view(1, 1, -1)
-                continue
-            x = x + a.o_proj(out.reshape(1, 1, H * d))
-            h = _rms_norm(x, norm.weight, norm.variance_epsilon)
+                o = j.product_of(out.reshape(1, H * d).to(COMPUTE), j.o).view(1, 1, -1)
+            else:
+                o = a.o_proj(out.reshape(1, 1, H * d))
+            if self.sandwich:
+                x = x + norm(o, layer.post_attention_layernorm)
+                h = norm(x, layer.pre_feedforward_layernorm)
+            else:
+                x = x + o
+                h = norm(x, layer.post_attention_layernorm)
             mlp = layer.mlp
-            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
-        x = _rms_norm(x, inner.norm.weight, inner.norm.variance_epsilon)
-        return self.model.lm_head(x)[0, -1]
+            if j is not None:
+                gu = j.product_of(h.view(1, -1).to(COMPUTE), j.gate_up)
+                gate, up = gu[:, : j.inter], gu[:, j.inter :]
+            else:
+                gate, up = mlp.gate_proj(h), mlp.up_proj(h)
+            act = (F.silu(gate) if self.silu else mlp.act_fn(gate)) * up
+            m = j.product_of(act.to(COMPUTE), j.down).view(1, 1, -1) if j is not None else mlp.down_proj(act)
+            x = x + (norm(m, layer.post_feedforward_layernorm) if self.sandwich else m)
+        x = norm(x, inner.norm)
+        logits = self.model.lm_head(x)[0, -1]
+        if self.final_cap is not None:  # Gemma 2: the logits capped, as its forward caps them
+            logits = torch.tanh(logits / self.final_cap) * self.final_cap
+        return logits
 
 
 def fast_step_for(model: Any) -> FastStep | None:

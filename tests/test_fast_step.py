@@ -41,9 +41,21 @@ def decode_both(model, method: str, settings, prompt: list[int], forced: list[in
     return outs
 
 
-@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3"])
+@pytest.mark.parametrize("arch", ["llama", "mistral", "qwen2", "qwen3", "gemma2", "gemma3", "mistral-window"])
 def test_every_method_decodes_as_the_model_forward(arch):
-    model = tiny_model(arch)
+    """Gemma 2 and 3 (window layers shorter than the prompt, sandwich norms, capped scores and
+    logits, a RoPE per layer kind) and a Mistral with a sliding window on every layer too. Models
+    with window layers: the forward hands a window layer's attention a mask (every key of the
+    window visible) where the step hands none, which takes some methods through another kernel
+    for the same sum: equal within float rounding, not bit for bit."""
+    model = tiny_model(arch.removesuffix("-window"))
+    if arch == "mistral-window":
+        model.config.sliding_window = 24
+    if arch == "gemma2":  # caps that move the logits (the config's would not be reached)
+        from tests.test_architectures import capped_gemma2
+
+        model = capped_gemma2()
+        model.config.final_logit_softcapping = 0.5
     assert why_not(model) is None
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, 97, (150,), generator=g).tolist()
@@ -53,7 +65,8 @@ def test_every_method_decodes_as_the_model_forward(arch):
         ref, got = decode_both(model, method, settings, prompt, forced)
         for step, (a, b) in enumerate(zip(ref, got, strict=True)):
             err = float((a - b).abs().max())
-            assert torch.equal(a, b), f"{arch} {method} step {step}: max |logit difference| {err:.2e}"
+            ok = torch.equal(a, b) if arch in ("llama", "mistral", "qwen2", "qwen3") else err <= 1e-5
+            assert ok, f"{arch} {method} step {step}: max |logit difference| {err:.2e}"
 
 
 @pytest.mark.parametrize("weights", ["float", "int4"])
@@ -138,9 +151,8 @@ def test_int4_products_not_joined_where_the_packing_forbids():
 
 
 def test_models_it_cannot_run_fall_back():
-    sliding = tiny_model("mistral")
-    sliding.config.sliding_window = 16
-    assert "sliding" in why_not(sliding)
+    fused = tiny_model("phi3")  # one fused qkv projection
+    assert "phi3" in why_not(fused)
     half = tiny_model("llama").to(torch.bfloat16)
     assert "bfloat16" in why_not(half)
     assert fast_step_for(half) is None
