@@ -3,17 +3,21 @@
 
 transformers loads a GGUF by dequantizing every tensor to float, so a Q5_0 or Q8_0 layer decodes
 from float32: four bytes a weight where the file spends one or less. Here the file's blocks are
-read again and each layer becomes a sum of four-bit *planes* in groups of 32 inputs: a block's
-integers ``u`` (``w = u * step + low``, ``u`` in 0..2**bits - 1) split into nibbles, plane ``p``
-holding bits 4p..4p+3 with the step ``16**p * step``. Each plane is one more set of output rows
-of torch's int4 kernel (:class:`PlanesLinear`), so a layer takes one kernel call whatever its
-format. Exact, one plane: Q4_0, Q4_1, Q4_K (a sub-block of 32 has its own step ``d * scale`` and
-minimum ``-dmin * min``); exact, two planes: Q5_0, Q5_1, Q5_K, Q8_0. Q6_K's sub-blocks are 16
-inputs with their own scales, which groups of 32 cannot hold: it becomes two planes of eight bits
-rounded from its float values (the nearest packed form; its agreement is measured, not exact).
-Every other format (F16, Q2_K, Q3_K, the IQ kinds) stays as transformers loaded it.
+read again and each layer becomes its blocks' integers ``u`` (``w = u * step + low``, ``u`` in
+0..2**bits - 1) held as one byte a weight, with a step and a minimum per group of 32 inputs
+(:class:`GroupedLinear`, through :func:`~icecache.int8_rows.grouped_product`). Exact: Q4_0,
+Q4_1, Q4_K (a sub-block of 32 has its own step ``d * scale`` and minimum ``-dmin * min``), Q5_0,
+Q5_1, Q5_K, Q8_0. Q6_K's sub-blocks are 16 inputs with their own scales, which groups of 32 cannot
+hold: it becomes eight bits rounded from its float values (the nearest form in groups of 32; its
+agreement is measured, not exact). Every other format (F16, Q2_K, Q3_K, the IQ kinds) stays as
+transformers loaded it.
 
-A layer is packed only where the planes give back transformers' float weight exactly (or, for
+Why a byte a weight and not the four-bit kernel: a byte holds every format up to eight bits in one
+product (the four-bit kernel needed two sets of rows, "planes", for five- and eight-bit formats)
+and, on an AVX2 CPU, the byte kernel read Gemma 3's layers about twice as fast as torch's int4
+kernel read their planes (docs/results.md).
+
+A layer is packed only where its bytes give back transformers' float weight exactly (or, for
 Q6_K, within half a step of eight bits): the file's tensor names are mapped to the model's by
 gguf's tensor-name map (the one transformers loads with), in transformers' row order (Llama's q/k
 rows are permuted on load), and any layer that does not come back the same stays float. The block layouts are ggml's (``ggml-common.h``).
@@ -29,7 +33,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from .weights import COMPUTE, GROUP, int4_fits, int4_product
+from . import int8_rows
+from .weights import GROUP, ROWS_INT8_KERNEL, in_prompt, int4_fits, prompt_product
 
 EXACT = ("Q4_0", "Q4_1", "Q4_K", "Q5_0", "Q5_1", "Q5_K", "Q8_0")
 NEAREST = ("Q6_K",)
@@ -106,7 +111,7 @@ def decode(kind: str, raw: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarr
         qh = raw[:, 16:48]  # bit 2c and 2c + 1 of byte l: the fifth bits of input l of chunk c's halves
         high = np.concatenate([(qh >> j) & 1 for j in range(8)], axis=1)
         return _k_values(raw[:, 48:176]) | (high << 4), step, low, 5
-    raise ValueError(f"no exact planes for {kind}")
+    raise ValueError(f"no exact bytes for {kind}")
 
 
 def blocks_of(kind: str, raw: np.ndarray, rows: int, cols: int) -> Blocks:
@@ -137,31 +142,19 @@ def widened(b: Blocks) -> torch.Tensor:
     return torch.from_numpy(w.reshape(n, k))
 
 
-class PlanesLinear(nn.Module):
-    """A linear layer as a sum of four-bit planes (module docstring), one call of torch's int4
-    kernel for all of them; many rows (a prompt) take the layer's own float weight."""
+class GroupedLinear(nn.Module):
+    """A linear layer as its file's blocks: a byte ``u`` a weight with a step and minimum per group
+    of 32 inputs (:class:`Blocks`), in :mod:`~icecache.int8_rows`' tiles; a decode step's rows
+    through :func:`~icecache.int8_rows.grouped_product` (the input in float32), many rows (a
+    prompt) through the layer's own float weight."""
 
     def __init__(self, linear: nn.Linear, b: Blocks, source: str):
         super().__init__()
         n, k = b.u.shape
-        planes = -(-b.bits // 4)
-        self.in_features, self.out_features, self.planes, self.form = k, n, planes, source
-        q = np.concatenate([(b.u >> (4 * p)) & 0xF for p in range(planes)], axis=0).astype(np.int32)
-        self.register_buffer("kernel_weight", torch.ops.aten._convert_weight_to_int4pack_for_cpu(
-            torch.from_numpy(q), 2), persistent=False)
-        steps = np.stack([b.step * 16.0 ** p for p in range(planes)])  # (P, n, groups)
-        # the kernel computes (q - 8) * step + offset per plane: the planes' offsets must add up
-        # to low + 8 * (their steps). Each plane takes 8 * its step, and the group's low goes to
-        # the plane where the sum is smallest: for Q8_0 (low -128 d) the top plane, whose
-        # offset is then 0, for Q5_0 (low -16 d) the bottom one (-8 d): a power-of-two multiple
-        # of the step, which the kernel's bfloat16 table holds as exactly as the step itself.
-        offsets = 8.0 * steps
-        with_low = offsets + b.low[None]
-        pick = np.abs(with_low).argmin(0)[None]
-        np.put_along_axis(offsets, pick, np.take_along_axis(with_low, pick, 0), 0)
-        table = np.stack([steps, offsets], -1).reshape(planes * n, k // GROUP, 2).transpose(1, 0, 2)
-        self.register_buffer("kernel_table", torch.from_numpy(np.ascontiguousarray(table)).to(COMPUTE),
-                             persistent=False)
+        self.in_features, self.out_features, self.form, self.bits = k, n, source, b.bits
+        tiles, tables = int8_rows.tile_groups(b.u.astype(np.uint8), b.step, b.low)
+        self.register_buffer("tiles", torch.from_numpy(tiles), persistent=False)
+        self.register_buffer("tables", torch.from_numpy(tables), persistent=False)
         self.register_buffer("widened", linear.weight.detach(), persistent=False)
         bias = linear.bias
         self.register_buffer("bias", None if bias is None else bias.detach().clone(), persistent=False)
@@ -169,11 +162,21 @@ class PlanesLinear(nn.Module):
         self._half_weights: dict = {}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return int4_product(self, x, self.planes)
+        shape = x.shape
+        rows = x.reshape(-1, shape[-1])
+        if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
+            return prompt_product(self, x)
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        tiles, tables = self.tiles.numpy(), self.tables.numpy()
+        for r in range(rows.shape[0]):
+            int8_rows.grouped_product(tiles, tables, rows[r].detach().float().contiguous().numpy(), out[r].numpy())
+        if self.bias is not None:
+            out += self.bias.float()
+        return out.to(self.act_dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
         return (f"in_features={self.in_features}, out_features={self.out_features}, {self.form} as "
-                f"{self.planes} four-bit plane(s) in groups of {GROUP}")
+                f"a byte a weight in groups of {GROUP}")
 
 
 def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
@@ -292,9 +295,9 @@ def _model_names(arch: str, model: nn.Module) -> dict[str, str]:
     return names
 
 
-def gguf_layers(path: str | Path, model: nn.Module, names: set[str]) -> dict[str, PlanesLinear]:
+def gguf_layers(path: str | Path, model: nn.Module, names: set[str]) -> dict[str, GroupedLinear]:
     """The layers of ``model`` named in ``names`` that the GGUF file at ``path`` stores in a format
-    with planes (:data:`EXACT`, :data:`NEAREST`), packed, by module name; each one checked against
+    held in bytes (:data:`EXACT`, :data:`NEAREST`), packed, by module name; each one checked against
     the model's float weight."""
     from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
 
@@ -323,5 +326,5 @@ def gguf_layers(path: str | Path, model: nn.Module, names: set[str]) -> dict[str
             # exact: the same float32 values transformers made of the same blocks
             ok = torch.equal(widened(b).to(weight.dtype), weight)
         if ok:
-            layers[mod_name] = PlanesLinear(linear, b, tensor.kind)
+            layers[mod_name] = GroupedLinear(linear, b, tensor.kind)
     return layers

@@ -82,3 +82,57 @@ def sum_error(inputs: int) -> float:
 def reference(q: torch.Tensor, scale: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
     """The plain product the kernel stands for: float64 sums of the dequantized rows."""
     return (q.double() * scale.double()[:, None]) @ x.double()
+
+
+# Grouped bytes: each row's weights as ``u * step + low`` with ``u`` a byte (0..255) and a step and
+# minimum per group of GROUP inputs (a GGUF layer's blocks, icecache.gguf_weights): one byte a
+# weight whatever the format's bits (Q4 to Q8), exact wherever ``u * step + low`` is.
+GROUP = 32
+
+
+def tile_groups(u: np.ndarray, step: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(rows, inputs) bytes and (rows, groups) steps and minimums -> (tiles (tiles, inputs, BLOCK)
+    uint8, tables (tiles, groups, 2, BLOCK) float32: step then minimum), the last tile padded with
+    zero rows."""
+    n, k = u.shape
+    nb = -(-n // BLOCK)
+    pad = nb * BLOCK - n
+    u = np.concatenate([u, np.zeros((pad, k), np.uint8)]) if pad else u
+    table = np.stack([step, low], axis=-1).astype(np.float32)  # (rows, groups, 2)
+    table = np.concatenate([table, np.zeros((pad, *table.shape[1:]), np.float32)]) if pad else table
+    tiles = np.ascontiguousarray(u.reshape(nb, BLOCK, k).transpose(0, 2, 1))
+    tables = np.ascontiguousarray(table.reshape(nb, BLOCK, k // GROUP, 2).transpose(0, 2, 3, 1))
+    return tiles, tables
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def grouped_product(tiles, tables, x, out):
+    """out[i] = sum over groups g of step[i, g] * sum_{k in g} u[i, k] * x[k] + low[i, g] * sum_{k in g} x[k]
+    for every row i < len(out) (the tables of :func:`tile_groups`)."""
+    nb, k = tiles.shape[0], tiles.shape[1]
+    groups = k // GROUP
+    n = out.shape[0]
+    sums = np.zeros(groups, np.float32)
+    for g in range(groups):
+        for j in range(g * GROUP, g * GROUP + GROUP):
+            sums[g] += x[j]
+    for b in prange(nb):
+        total = np.zeros(BLOCK, np.float32)
+        for g in range(groups):
+            acc = np.zeros(BLOCK, np.float32)
+            for j in range(g * GROUP, g * GROUP + GROUP):
+                a = x[j]
+                for r in range(BLOCK):
+                    acc[r] += np.float32(tiles[b, j, r]) * a
+            s = sums[g]
+            for r in range(BLOCK):
+                total[r] += tables[b, g, 0, r] * acc[r] + tables[b, g, 1, r] * s
+        for r in range(min(BLOCK, n - b * BLOCK)):
+            out[b * BLOCK + r] = total[r]
+
+
+def grouped_sum_error(inputs: int) -> float:
+    """Relative bound on :func:`grouped_product`'s float32 sums against the sum of absolute terms
+    ``sum_k |u_k step_g x_k| + sum_g |low_g| sum_k |x_k|``: as :func:`sum_error`, with the
+    products by step and minimum and the group sums counted (four more roundings a term)."""
+    return (inputs + 4) * 2.0 ** -23

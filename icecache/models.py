@@ -262,7 +262,7 @@ FORM_WORDS = {"int4": "int4 (4-bit groups hold them exactly)", "float": "float (
 
 
 def describe_formats(counts: dict[str, int]) -> str:
-    """One line: how many linear layers are in each form (GGUF formats: their packed planes, exact
+    """One line: how many linear layers are in each form (GGUF formats: the file's bytes, exact
     or, for Q6_K, the nearest eight bits)."""
     from .gguf_weights import EXACT
 

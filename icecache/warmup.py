@@ -69,7 +69,7 @@ def compile_cache() -> None:
     """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
     the dense decode scores (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
-    head's int8 product."""
+    head's int8 product and a GGUF layer's grouped bytes."""
     from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
     from .cache.score_kernels import dense_scores, half_scores
 
@@ -90,11 +90,13 @@ def compile_cache() -> None:
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
     compile_loads()
-    from .int8_rows import bounded_product  # the checked LM head's int8 logits
+    from .int8_rows import bounded_product, grouped_product  # the checked head; a GGUF's layers
 
     z = np.zeros(1, np.float32)
     bounded_product(np.zeros((1, 2, 64), np.int8), z, z, z, np.float32(0), np.zeros(2, np.float32), z,
                     np.empty(1, np.float32), np.empty(1, np.float32))
+    grouped_product(np.zeros((1, 32, 64), np.uint8), np.zeros((1, 1, 2, 64), np.float32),
+                    np.zeros(32, np.float32), np.empty(1, np.float32))
 
 
 def convert_embedded() -> None:

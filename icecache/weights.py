@@ -136,7 +136,7 @@ def prompt_half() -> torch.dtype | None:
 
 
 def prompt_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A prompt's product of a packed layer (:class:`Int4Linear`, and the GGUF planes of
+    """A prompt's product of a packed layer (:class:`Int4Linear`, and the GGUF layers of
     :mod:`icecache.gguf_weights`): its float values (``layer.widened``), in the prompt's 16-bit
     dtype where one is set (:func:`prompt_products`)."""
     half = prompt_half()
@@ -149,18 +149,15 @@ def prompt_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     return nn.functional.linear(x.to(layer.act_dtype), layer.widened, layer.bias)
 
 
-def int4_product(layer: nn.Module, x: torch.Tensor, planes: int = 1) -> torch.Tensor:
-    """A packed layer's product (:class:`Int4Linear`; ``planes`` > 1: the GGUF planes of
-    :mod:`icecache.gguf_weights`, each a set of output rows, summed in float32): a decode
-    step's rows through torch's int4 kernel, a prompt's through :func:`prompt_product`."""
+def int4_product(layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """An :class:`Int4Linear`'s product: a decode step's rows through torch's int4 kernel, a
+    prompt's through :func:`prompt_product`."""
     shape = x.shape
     rows = x.reshape(-1, shape[-1])
     if rows.shape[0] > ROWS_INT8_KERNEL or in_prompt():
         return prompt_product(layer, x)
     y = torch.ops.aten._weight_int4pack_mm_for_cpu(rows.to(COMPUTE).contiguous(), layer.kernel_weight,
                                                   GROUP, layer.kernel_table)
-    if planes > 1:
-        y = y.float().view(rows.shape[0], planes, layer.out_features).sum(1)
     y = y.to(layer.act_dtype)
     if layer.bias is not None:
         y = y + layer.bias.to(y.dtype)
@@ -277,12 +274,12 @@ def apply_weights(model: nn.Module, fmt: str, device: str = "cpu", gguf: str | N
     """Put ``model``'s linear layers in format ``fmt`` (:func:`quantize_model`) and return the
     format they are in. ``auto``, on the CPU: every layer that 4-bit groups hold exactly in int4
     (:func:`exact_int4_layers`); of the others, those the GGUF file ``gguf`` (the model's source,
-    when it is one) stores in a format with packed planes, from the file's own blocks
+    when it is one) stores in a format it can hold as bytes, from the file's own blocks
     (:func:`~icecache.gguf_weights.gguf_layers`); the rest as they are; and the LM head as a
     :class:`~.head.CheckedHead` (int8 logits, the possible maximum recomputed from its float weights:
     the greedy token is the float head's). Returns ``int4`` when every layer is int4 (the
     embedded model; what differs from the float model is the bfloat16 rounding of a decode
-    step's products, 99.5% the same tokens), ``packed`` when every layer is int4 or planes,
+    step's products, 99.5% the same tokens), ``packed`` when every layer is int4 or from the file,
     ``int4+float`` or ``packed+float`` when some are, ``float+int8head`` when none is
     (:func:`weight_formats` counts them). Other devices keep the model's dtype (``float``)."""
     if fmt != "auto":
@@ -306,7 +303,7 @@ def apply_weights(model: nn.Module, fmt: str, device: str = "cpu", gguf: str | N
 
 def weight_formats(model: nn.Module) -> dict[str, int]:
     """How many of ``model``'s linear layers are in each form: ``int4`` (:class:`Int4Linear`),
-    a GGUF format's name (its packed planes), ``int8``, ``int8 head (checked)``, ``float``."""
+    a GGUF format's name (its layers held as the file's bytes), ``int8``, ``int8 head (checked)``, ``float``."""
     counts: dict[str, int] = {}
     for mod in model.modules():
         kind = getattr(mod, "form", None) or ("float" if isinstance(mod, nn.Linear) else None)

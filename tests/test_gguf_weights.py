@@ -51,23 +51,24 @@ def test_q6_k_becomes_the_nearest_eight_bits():
 
 @pytest.mark.parametrize("kind", ["Q8_0", "Q5_0", "Q4_K", "Q5_K"])
 @pytest.mark.parametrize("rows", [1, 3, W.ROWS_INT8_KERNEL + 1])
-def test_planes_linear_equals_the_dequantized_product(kind, rows):
+def test_grouped_linear_equals_the_dequantized_product(kind, rows):
+    from icecache import int8_rows
+
     out, inp = 64, 256
     b = G.blocks_of(kind, random_blocks(kind, out, inp, seed=rows), out, inp)
     lin = nn.Linear(inp, out, bias=True)
     with torch.no_grad():
         lin.weight.copy_(G.widened(b))
-    mod = G.PlanesLinear(lin, b, kind)
-    assert mod.planes == (2 if b.bits > 4 else 1)
+    mod = G.GroupedLinear(lin, b, kind)
     x = torch.randn(2, rows, inp)
-    kernel = rows <= W.ROWS_INT8_KERNEL
-    xr = x.to(W.COMPUTE).double() if kernel else x.double()
-    ref = xr @ G.widened(b).double().T + lin.bias.detach().double()
+    ref = x.double() @ G.widened(b).double().T + lin.bias.detach().double()
     got = mod(x)
     assert got.shape == (2, rows, out) and got.dtype == torch.float32
-    scale = ref.abs().max()
-    if kernel:  # bfloat16 steps and outputs per plane: a few bfloat16 steps of the output
-        assert (got.double() - ref).abs().max() < 2e-2 * scale
+    if rows <= W.ROWS_INT8_KERNEL:  # the kernel: float32 sums of the exact values, within their bound
+        step = torch.from_numpy(b.step).double().repeat_interleave(W.GROUP, 1)
+        low = torch.from_numpy(b.low).double().repeat_interleave(W.GROUP, 1)
+        terms = x.double().abs() @ ((torch.from_numpy(b.u).double() * step).abs() + low.abs()).T + lin.bias.double().abs()
+        assert bool(((got.double() - ref).abs() <= int8_rows.grouped_sum_error(inp) * terms + 1e-6).all())
     else:  # many rows: the float product of the same values
         assert torch.allclose(got.double(), ref, atol=1e-4, rtol=1e-5)
 
@@ -126,13 +127,13 @@ def _unorder(w: torch.Tensor, heads: int) -> torch.Tensor:
     return w.reshape(heads, w.shape[0] // heads // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def test_auto_weights_take_the_gguf_planes_and_say_so(tmp_path, monkeypatch):
+def test_auto_weights_take_the_gguf_layers_and_say_so(tmp_path, monkeypatch):
     """``apply_weights(auto, gguf=...)``: the layers int4 cannot hold come from the file."""
     model = tiny_model("llama")
     packed = {"model.layers.0.mlp.up_proj"}
     lin = model.get_submodule("model.layers.0.mlp.up_proj")
     b = G.nearest_blocks(lin.weight)
-    monkeypatch.setattr(G, "gguf_layers", lambda path, m, names: {n: G.PlanesLinear(lin, b, "Q6_K")
+    monkeypatch.setattr(G, "gguf_layers", lambda path, m, names: {n: G.GroupedLinear(lin, b, "Q6_K")
                                                                     for n in packed & names})
     assert W.apply_weights(model, "auto", gguf=str(tmp_path / "x.gguf")) == "packed+float"
     counts = W.weight_formats(model)

@@ -47,3 +47,23 @@ def test_the_bound_widens_each_row_by_its_own_share():
     assert torch.equal(out, torch.tensor([2.0, -1.0, 1.0]))
     assert torch.allclose(upper - out, torch.tensor([0.0, 1.5, 0.75]), atol=2e-6)
     assert floor == pytest.approx(2.0, abs=2e-6)  # row 0: 2 - 0 (row 2: 1 - 0.75)
+
+
+@pytest.mark.parametrize("rows,inputs", [(100, 96), (64, 640), (3, 32)])
+def test_the_grouped_product_is_the_exact_values_within_its_bound(rows, inputs):
+    rng = np.random.default_rng(rows)
+    u = rng.integers(0, 256, (rows, inputs), dtype=np.uint8)
+    step = rng.uniform(1e-4, 1e-2, (rows, inputs // 32)).astype(np.float32)
+    low = rng.uniform(-1, 1, (rows, inputs // 32)).astype(np.float32)
+    tiles, tables = int8_rows.tile_groups(u, step, low)
+    nb = -(-rows // int8_rows.BLOCK)
+    assert tiles.shape == (nb, inputs, int8_rows.BLOCK) and tables.shape == (nb, inputs // 32, 2, int8_rows.BLOCK)
+    x = rng.standard_normal(inputs).astype(np.float32)
+    out = np.empty(rows, np.float32)
+    int8_rows.grouped_product(tiles, tables, x, out)
+    w = u.astype(np.float64) * np.repeat(step, 32, 1) + np.repeat(low, 32, 1)
+    ref = w @ x.astype(np.float64)
+    terms = (u * np.repeat(step, 32, 1) + np.abs(np.repeat(low, 32, 1))) @ np.abs(x.astype(np.float64))
+    err = np.abs(out - ref)
+    assert (err <= int8_rows.grouped_sum_error(inputs) * terms).all()
+    assert err.max() > 0  # float32 sums: the bound above is what holds them, not luck
