@@ -67,11 +67,11 @@ def compile_loads(kv_heads=KV_HEADS) -> None:
 
 def compile_cache() -> None:
     """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
-    the dense decode scores (and the votes' scores over 16-bit host keys), the packing of chosen
+    the dense decode step (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
     head's int8 product and a GGUF layer's grouped bytes."""
     from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
-    from .cache.score_kernels import dense_scores, half_scores
+    from .cache.score_kernels import dense_decode_fused, half_scores
 
     S, P = 4, 2
     members = np.arange(16, dtype=np.int32).reshape(4, S)
@@ -79,8 +79,8 @@ def compile_cache() -> None:
     plan_head(np.array([1, 2], np.int64), *slots, np.zeros(4, np.int64), members,
               np.full(4, S, np.int32), 0, 0, S, np.zeros(P * S, np.bool_), np.empty(8, np.int64),
               np.empty(8, np.int64), 0)
-    dense_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32), 16,
-                 np.empty((2, 3, 16), np.float32))
+    q, k = np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32)
+    dense_decode_fused(q, k, k, 16, np.float32(1), np.float32(0), q, k, 0, np.empty((2, 3, 8), np.float32))
     for brain in (False, True):  # answer_spans' votes over a float16 or bfloat16 host store
         half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
                     np.empty((2, 3, 16), np.float32))

@@ -27,24 +27,32 @@ def test_dense_decode_matches_the_reference(H, G, dtype):
 
 
 @pytest.mark.parametrize("G", [1, 3, 4, 6])
-def test_dense_scores_kernel_matches_the_product(G):
-    """numba's scores over the first n rows of a larger buffer against q @ k.T (every G: the
-    kernel takes the group four queries at a time)."""
-    from icecache.cache.score_kernels import dense_scores
+@pytest.mark.parametrize("T", [1, 300, 1500])
+def test_the_fused_dense_decode_is_the_reference(G, T):
+    """numba's whole decode step (scores, softmax in blocks of rows joined at the end, values)
+    over the first T rows of larger buffers against dense_decode_reference, for every G (the
+    scores take the group four queries at a time) and with one, several or a partial block of
+    rows (DECODE_ROWS)."""
+    from icecache.cache import dense
+    from icecache.cache.score_kernels import DECODE_ROWS, dense_decode_fused
 
-    rng = np.random.default_rng(G)
-    q = rng.standard_normal((2, G, 24)).astype(np.float32)
-    k = rng.standard_normal((2, 1000, 24)).astype(np.float32)
-    out = np.full((2, G, 937), np.nan, np.float32)
-    dense_scores(q, k, 937, out)
-    np.testing.assert_allclose(out, q @ k[:, :937].transpose(0, 2, 1), rtol=1e-5, atol=1e-5)
+    assert 1500 > 2 * DECODE_ROWS and 1500 % DECODE_ROWS
+    torch.manual_seed(G * T)
+    H, d = 2, 24
+    q = torch.randn(1, H * G, 1, d)
+    kb, vb = 2 * torch.randn(H, T + 77, d), torch.randn(H, T + 77, d)
+    ref = dense.dense_decode_reference(q, kb[None, :, :T], vb[None, :, :T], 0.2)
+    out = np.full((H, G, d), np.nan, np.float32)
+    qn = q[0, :, 0].reshape(H, G, d).numpy()
+    dense_decode_fused(qn, kb.numpy(), vb.numpy(), T, np.float32(0.2), np.float32(0), qn, kb.numpy(), 0, out)
+    torch.testing.assert_close(torch.from_numpy(out).reshape(1, 1, H * G, d), ref, atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("T", [1, 300, 5000])
 def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
-    """The numba path of dense_decode (long caches on CPU) against its matrix products
-    (dense_decode_reference), on a view of the first T rows of a larger buffer; a layout it
-    cannot read in place (rows not contiguous) takes the products."""
+    """dense_decode on the CPU in float32 takes the fused numba step on a view of the first T
+    rows of a larger buffer; a layout it cannot read in place (rows not contiguous) takes the
+    products (dense_decode_reference); both equal the reference."""
     from icecache.cache import dense, score_kernels
 
     torch.manual_seed(T)
@@ -52,10 +60,9 @@ def test_dense_decode_takes_the_kernel_on_a_growing_buffer(T, monkeypatch):
     kb, vb = 2 * torch.randn(1, 3, T + 77, 32), torch.randn(1, 3, T + 77, 32)
     k, v = kb[:, :, :T], vb[:, :, :T]
     ref = dense.dense_decode_reference(q, k, v, 0.2)
-    monkeypatch.setattr(dense, "DENSE_KERNEL_MIN", 1)
     called = []
-    real = score_kernels.dense_scores
-    monkeypatch.setattr(score_kernels, "dense_scores", lambda *a: called.append(1) or real(*a))
+    real = score_kernels.dense_decode_fused
+    monkeypatch.setattr(score_kernels, "dense_decode_fused", lambda *a: called.append(1) or real(*a))
     got = dense.dense_decode(q, k, v, 0.2)
     assert called == [1]
     torch.testing.assert_close(got, ref, atol=1e-5, rtol=1e-5)

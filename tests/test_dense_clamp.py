@@ -34,8 +34,8 @@ def _reference(frame, q0, k0, v, scale):
 @pytest.mark.parametrize("T, half", [(40, False), (4200, False), (300, True)])
 def test_a_clamped_decode_equals_keys_placed_at_the_farthest_trained_distance(T, half):
     """Steps from within the trained context to past it (the un-rotated copies made a few at a
-    time), after a crop too, on the three paths: torch's products, numba's float32 scores (at
-    least ``DENSE_KERNEL_MIN`` rows) and the bfloat16 decode."""
+    time), after a crop too, on the fused numba step in float32 (its clamped rows scored in the
+    kernel) and the bfloat16 decode."""
     from icecache.cache.dense import GrowingLayer, dense_decode
 
     trained = T - 5

@@ -109,7 +109,7 @@ def test_sdpa_forward_caps_under_any_mask():
           plain(qq, k[0], v[0], prefix_allowed(H, C, T), 0.3, CAP).reshape(Hq, C, 8).transpose(0, 1)[None])
 
 
-@pytest.mark.parametrize("T", [50, 4100])  # matrix products; numba's scores (DENSE_KERNEL_MIN)
+@pytest.mark.parametrize("T", [50, 4100])  # the fused numba step: one block of rows, several
 def test_dense_decode_caps_the_scores(T):
     H, G, d = 2, 3, 16
     q, k, v = rand(1, H * G, 1, d, seed=7), rand(1, H, T, d, seed=8), rand(1, H, T, d, seed=9, spread=1)

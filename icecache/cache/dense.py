@@ -182,9 +182,6 @@ def native_bf16() -> bool:
     return False
 
 
-DENSE_KERNEL_MIN = 4096  # shorter caches: dense_decode_reference's products (no hand-off to numba's threads)
-
-
 def _rows_buffer(t: torch.Tensor):
     """(H, n, d) whose rows are contiguous per head (a growing cache's view of its first n rows)
     as the C-contiguous (H, capacity, d) NumPy array it lies in; None if it is not laid out so."""
@@ -254,27 +251,28 @@ def dense_decode(query, key, value, scaling, clamp=None, softcap=None):
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
     every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`.
     ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`). Float32 caches
-    of at least ``DENSE_KERNEL_MIN`` rows on the CPU have numba score the keys; the others (and
-    the reference of that path) take :func:`dense_decode_reference`'s matrix products.
-    ``softcap`` (Gemma 2): the scaled scores capped (:func:`~.chunked.soft_cap`) before the
-    softmax; the numba kernels score ``q . k`` alone, so the cap is applied to their output."""
+    on the CPU whose rows lie in a growing buffer: the whole step in one numba call
+    (:func:`~.score_kernels.dense_decode_fused`); the others (and the reference of that path) take
+    :func:`dense_decode_reference`'s matrix products. ``softcap`` (Gemma 2): the scaled scores
+    capped (:func:`~.chunked.soft_cap`) before the softmax."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
     if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
         return _half_decode(q, key[0], value[0], scaling, clamp, softcap).to(query.dtype).reshape(1, 1, Hq, d)
-    if (T >= DENSE_KERNEL_MIN and key.device.type == "cpu"
-            and key.dtype == torch.float32 and query.dtype == torch.float32):
-        k = _rows_buffer(key[0])
-        if k is not None:  # numba scores the keys (see score_kernels.dense_scores); torch does the rest
-            from .score_kernels import dense_scores
+    if key.device.type == "cpu" and key.dtype == torch.float32 and query.dtype == torch.float32:
+        k, v = _rows_buffer(key[0]), _rows_buffer(value[0])
+        far = None if clamp is None else (clamp[0].detach().contiguous().numpy(), _rows_buffer(clamp[1]))
+        if k is not None and v is not None and (far is None or far[1] is not None):
+            from .score_kernels import dense_decode_fused
 
-            scores = torch.empty((H, Hq // H, T), dtype=torch.float32)
-            dense_scores(q.detach().contiguous().numpy(), k, T, scores.numpy())
-            _clamp_scores(scores, clamp)
-            probs = torch.softmax(soft_cap(scores.mul_(scaling), softcap), dim=-1)
-            return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
+            qn = q.detach().contiguous().numpy()
+            far_q, k0, c = (qn, k, 0) if far is None else (far[0], far[1], clamp[1].shape[1])
+            out = torch.empty((H, Hq // H, d), dtype=torch.float32)
+            dense_decode_fused(qn, k, v, T, np.float32(scaling), np.float32(softcap or 0.0), far_q, k0, c,
+                               out.numpy())
+            return out.reshape(1, 1, Hq, d)
     return dense_decode_reference(query, key, value, scaling, clamp, softcap)
 
 
