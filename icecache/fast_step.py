@@ -46,7 +46,12 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
+from .fused_step import FusedLayers, dense_rows, paused, run_layers
 from .weights import COMPUTE, GROUP, Int4Linear, in_prompt
+
+# attention implementations whose decode over a plain dense growing layer is dense_decode
+# (cache.attention: "icecache" is ice_attention, "icecache_dense" dense_attention)
+FUSED_ATTENTION = ("icecache", "icecache_dense")
 
 SUPPORTED = {  # model_type -> the decoder layer class transformers uses for it
     "llama": "LlamaDecoderLayer",
@@ -238,6 +243,24 @@ class FastStep:
         eager = sys.modules[type(attn).__module__].eager_attention_forward
         self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager
         self.int4 = int4_layers(model)  # None: the modules' own products
+        # every layer in one numba call where the cache allows (fused_step): made at the first such step
+        self._fused: Any = None if config.model_type in ("llama", "mistral", "qwen2") else False
+
+    def _fused_for(self, cache: Any, attention: str) -> tuple | None:
+        """(fused layers, the cache's dense layers) where this step can run every layer in one
+        numba call each (:mod:`~icecache.fused_step`), else None."""
+        if self._fused is False or cache is None or in_prompt() or paused():
+            return None
+        if attention not in FUSED_ATTENTION:  # (their dense decode is the one llama_layer computes)
+            return None
+        layers = dense_rows(cache, self.model.config.num_hidden_layers)
+        if layers is None:
+            return None
+        if self._fused is None or not self._fused.current(self.model):
+            self._fused = FusedLayers.of(self.model) or False
+            if self._fused is False:
+                return None
+        return self._fused, layers
 
     def _angles(self, x: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (cos, sin) for this step from the model's own rotary module (its angles and
@@ -262,9 +285,14 @@ class FastStep:
         x = inner.embed_tokens(ids)  # (1, 1, D)
         position_ids = torch.tensor([[position]], dtype=torch.long)
         angles = self._angles(x, position_ids)
+        fused = self._fused_for(cache, config._attn_implementation)
+        if fused is not None:
+            cos, sin = angles[0]
+            x = run_layers(fused[0], fused[1], x.reshape(-1), cos.reshape(-1), sin.reshape(-1), H, Hk, d,
+                           inner.layers[0].self_attn.scaling).view(1, 1, -1)
         half = d // 2
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
-        for i, layer in enumerate(inner.layers[: config.num_hidden_layers]):  # as the forward does
+        for i, layer in enumerate(inner.layers[: config.num_hidden_layers] if fused is None else []):
             a = layer.self_attn
             j = joined[i] if joined is not None else None
             if j is not None and not j.current(layer):

@@ -19,6 +19,8 @@ import numpy as np
 import torch
 from numba import njit, prange
 
+from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+
 BLOCK = 64  # output rows per tile: 64 bytes per input, two 32-byte vectors (AVX2) or one 64-byte
 
 
@@ -105,30 +107,43 @@ def tile_groups(u: np.ndarray, step: np.ndarray, low: np.ndarray) -> tuple[np.nd
     return tiles, tables
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def grouped_product(tiles, tables, x, out):
-    """out[i] = sum over groups g of step[i, g] * sum_{k in g} u[i, k] * x[k] + low[i, g] * sum_{k in g} x[k]
-    for every row i < len(out) (the tables of :func:`tile_groups`)."""
-    nb, k = tiles.shape[0], tiles.shape[1]
-    groups = k // GROUP
-    n = out.shape[0]
+@njit(fastmath=True, cache=True)
+def group_sums(x):
+    """Each group's sum of the input (GROUP inputs each)."""
+    groups = x.shape[0] // GROUP
     sums = np.zeros(groups, np.float32)
     for g in range(groups):
         for j in range(g * GROUP, g * GROUP + GROUP):
             sums[g] += x[j]
-    for b in prange(nb):
-        total = np.zeros(BLOCK, np.float32)
-        for g in range(groups):
-            acc = np.zeros(BLOCK, np.float32)
-            for j in range(g * GROUP, g * GROUP + GROUP):
-                a = x[j]
-                for r in range(BLOCK):
-                    acc[r] += np.float32(tiles[b, j, r]) * a
-            s = sums[g]
+    return sums
+
+
+@njit(fastmath=True, cache=True)
+def grouped_tile(tiles, tables, x, sums, out, b):
+    """Tile ``b`` of :func:`grouped_product` (one task; a caller's own parallel loop can run it)."""
+    k = tiles.shape[1]
+    n = out.shape[0]
+    total = np.zeros(BLOCK, np.float32)
+    for g in range(k // GROUP):
+        acc = np.zeros(BLOCK, np.float32)
+        for j in range(g * GROUP, g * GROUP + GROUP):
+            a = x[j]
             for r in range(BLOCK):
-                total[r] += tables[b, g, 0, r] * acc[r] + tables[b, g, 1, r] * s
-        for r in range(min(BLOCK, n - b * BLOCK)):
-            out[b * BLOCK + r] = total[r]
+                acc[r] += np.float32(tiles[b, j, r]) * a
+        s = sums[g]
+        for r in range(BLOCK):
+            total[r] += tables[b, g, 0, r] * acc[r] + tables[b, g, 1, r] * s
+    for r in range(min(BLOCK, n - b * BLOCK)):
+        out[b * BLOCK + r] = total[r]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def grouped_product(tiles, tables, x, out):
+    """out[i] = sum over groups g of step[i, g] * sum_{k in g} u[i, k] * x[k] + low[i, g] * sum_{k in g} x[k]
+    for every row i < len(out) (the tables of :func:`tile_groups`), a tile per task."""
+    sums = group_sums(x)
+    for b in prange(tiles.shape[0]):
+        grouped_tile(tiles, tables, x, sums, out, b)
 
 
 def grouped_sum_error(inputs: int) -> float:

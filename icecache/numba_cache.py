@@ -23,11 +23,13 @@ PACKAGE = Path(__file__).resolve().parent
 KERNEL_FILES = (
     "cache/kernels.py",
     "cache/score_kernels.py",
+    "fused_step.py",
     "index/kernels/build.py",
     "index/kernels/pages.py",
     "index/kernels/query.py",
     "index/kernels/refine.py",
     "index/kernels/shared.py",
+    "int8_rows.py",
 )
 
 

@@ -69,7 +69,7 @@ def compile_cache() -> None:
     """The cache's own kernels: the page-load plan (and the whole load, :func:`compile_loads`),
     the dense decode step (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
-    head's int8 product and a GGUF layer's grouped bytes."""
+    head's int8 product, a GGUF layer's grouped bytes and the fused decoder layer."""
     from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
     from .cache.score_kernels import dense_decode_fused, half_scores
 
@@ -97,6 +97,13 @@ def compile_cache() -> None:
                     np.empty(1, np.float32), np.empty(1, np.float32))
     grouped_product(np.zeros((1, 32, 64), np.uint8), np.zeros((1, 1, 2, 64), np.float32),
                     np.zeros(32, np.float32), np.empty(1, np.float32))
+    from .fused_step import NO_BIAS, llama_layer  # a whole decoder layer of a dense decode step
+
+    tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
+    f32 = np.float32
+    llama_layer(np.ones(64, f32), np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7,
+                np.full(7, 64, np.int64), np.ones(16, f32), np.zeros(16, f32), np.zeros((2, 8, 16), f32),
+                np.zeros((2, 8, 16), f32), 0, f32(0.25), 4, 2, 16)
 
 
 def convert_embedded() -> None:

@@ -81,8 +81,11 @@ def test_the_embedded_model_decodes_as_its_forward(loaded, weights):
     ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
     forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
     settings = resolve_settings("cpu", weights=weights).replace(budget=64, chunk_size=256)
+    from icecache.fused_step import unfused
+
     for method in ("ice", "full"):
-        ref, got = decode_both(model, method, settings, ids, forced)
+        with unfused():  # the torch step (the fused layers: tests/test_fused_step.py)
+            ref, got = decode_both(model, method, settings, ids, forced)
         for step, (a, b) in enumerate(zip(ref, got, strict=True)):
             err = float((a - b).abs().max())
             assert torch.equal(a, b), f"{weights} {method} step {step}: max |logit difference| {err:.2e}"

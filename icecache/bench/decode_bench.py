@@ -98,7 +98,9 @@ class LinearClock:
     included), by forward hooks. On the CPU a layer's ops run before its forward returns, so
     the time between its two hooks is the layer's own. The hooks add a few microseconds per
     layer to the step outside what they time. The decode step's joined int4 products
-    (:meth:`~icecache.fast_step.Int4Layer.product_of`, which call no module) are timed too."""
+    (:meth:`~icecache.fast_step.Int4Layer.product_of`, which call no module) are timed too; the
+    fused layers (:mod:`~icecache.fused_step`, which call no module either) are paused while it
+    is entered, so the clock times the torch step."""
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
@@ -106,6 +108,7 @@ class LinearClock:
         self._handles: list = []
         self._t0 = 0.0
         self._product_of = None
+        self._unfused = None
 
     def _timed_product(self, x, joined):
         t0 = time.perf_counter()
@@ -125,9 +128,12 @@ class LinearClock:
                 self._handles.append(mod.register_forward_pre_hook(self._pre))
                 self._handles.append(mod.register_forward_hook(self._post))
         from ..fast_step import Int4Layer
+        from ..fused_step import unfused
 
         self._product_of = Int4Layer.product_of
         Int4Layer.product_of = staticmethod(self._timed_product)
+        self._unfused = unfused()
+        self._unfused.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
@@ -139,6 +145,9 @@ class LinearClock:
 
             Int4Layer.product_of = staticmethod(self._product_of)
             self._product_of = None
+        if self._unfused is not None:
+            self._unfused.__exit__(None, None, None)
+            self._unfused = None
 
 
 def interleaved(timers: list[DecodeTimer], steps: int, rounds: int) -> list[DecodeResult]:

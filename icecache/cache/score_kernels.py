@@ -113,45 +113,44 @@ def half_scores(q, bits, n, brain, out):
 DECODE_ROWS = 512  # rows per parallel task of :func:`dense_decode_fused`
 
 
-@njit(parallel=True, fastmath=True, cache=True)
-def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
-    """softmax(scores) v over rows 0..n-1, scores = ``scale * q . k`` (capped to ``cap *
-    tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous; out (H, G, d).
-    The first ``c`` rows score ``far_q . k0`` instead (a clamped distance,
-    :meth:`~.dense.GrowingLayer.clamped`; far_q (H, G, d), k0 (H, >= c, d)). The reference is
-    :func:`~.dense.dense_decode_reference`."""
-    H, G, d = q.shape
-    blocks = max(1, (n + DECODE_ROWS - 1) // DECODE_ROWS)
-    scores = np.empty((H, G, n), np.float32)
-    top = np.empty((H, blocks, G), np.float32)
-    total = np.empty((H, blocks, G), np.float32)
-    part = np.zeros((H, blocks, G, d), np.float32)
-    for task in prange(H * blocks):
-        h, b = task // blocks, task % blocks
-        lo, hi = b * DECODE_ROWS, min(n, (b + 1) * DECODE_ROWS)
-        if lo < c:
-            _score_rows(far_q, k0, h, lo, min(hi, c), scores)
-        if hi > c:
-            _score_rows(q, k, h, max(lo, c), hi, scores)
-        for g in range(G):
-            m = -np.inf
-            for t in range(lo, hi):
-                s = scores[h, g, t] * scale
-                if cap > 0:
-                    s = np.tanh(s / cap) * cap
-                scores[h, g, t] = s
-                m = max(m, s)
-            acc = np.float32(0.0)
-            for t in range(lo, hi):
-                e = np.exp(scores[h, g, t] - m)
-                scores[h, g, t] = e
-                acc += e
-            top[h, b, g], total[h, b, g] = m, acc
+@njit(fastmath=True, cache=True)
+def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total, part):
+    """Block ``b`` of head ``h`` in :func:`dense_decode_fused` (one task; a caller's own parallel
+    loop can run it): its scores, their maximum and sum of exponentials, its weighted values."""
+    G, d = q.shape[1], q.shape[2]
+    lo, hi = b * DECODE_ROWS, min(n, (b + 1) * DECODE_ROWS)
+    if lo < c:
+        _score_rows(far_q, k0, h, lo, min(hi, c), scores)
+    if hi > c:
+        _score_rows(q, k, h, max(lo, c), hi, scores)
+    for g in range(G):
+        m = -np.inf
         for t in range(lo, hi):
-            for g in range(G):
-                p = scores[h, g, t]
-                for j in range(d):
-                    part[h, b, g, j] += p * v[h, t, j]
+            s = scores[h, g, t] * scale
+            if cap > 0:
+                s = np.tanh(s / cap) * cap
+            scores[h, g, t] = s
+            m = max(m, s)
+        acc = np.float32(0.0)
+        for t in range(lo, hi):
+            e = np.exp(scores[h, g, t] - m)
+            scores[h, g, t] = e
+            acc += e
+        top[h, b, g], total[h, b, g] = m, acc
+    for j in range(d):
+        for g in range(G):
+            part[h, b, g, j] = 0.0
+    for t in range(lo, hi):
+        for g in range(G):
+            p = scores[h, g, t]
+            for j in range(d):
+                part[h, b, g, j] += p * v[h, t, j]
+
+
+@njit(fastmath=True, cache=True)
+def join_blocks(top, total, part, out):
+    """The blocks' softmax parts joined: out (H, G, d)."""
+    H, blocks, G, d = part.shape
     for h in range(H):
         for g in range(G):
             m = -np.inf
@@ -167,3 +166,21 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
                     out[h, g, j] += part[h, b, g, j] * w
             for j in range(d):
                 out[h, g, j] /= s
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
+    """softmax(scores) v over rows 0..n-1, scores = ``scale * q . k`` (capped to ``cap *
+    tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous; out (H, G, d).
+    The first ``c`` rows score ``far_q . k0`` instead (a clamped distance,
+    :meth:`~.dense.GrowingLayer.clamped`; far_q (H, G, d), k0 (H, >= c, d)). The reference is
+    :func:`~.dense.dense_decode_reference`."""
+    H, G, d = q.shape
+    blocks = max(1, (n + DECODE_ROWS - 1) // DECODE_ROWS)
+    scores = np.empty((H, G, n), np.float32)
+    top = np.empty((H, blocks, G), np.float32)
+    total = np.empty((H, blocks, G), np.float32)
+    part = np.empty((H, blocks, G, d), np.float32)
+    for task in prange(H * blocks):
+        decode_block(q, k, v, n, scale, cap, far_q, k0, c, task // blocks, task % blocks, scores, top, total, part)
+    join_blocks(top, total, part, out)

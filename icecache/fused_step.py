@@ -1,0 +1,243 @@
+"""A decode step's decoder layer in one numba call, where every layer's cache is dense.
+
+:class:`~icecache.fast_step.FastStep` runs a layer as some fifty torch ops and four to seven
+weight products; on a 2-core CPU each op's fixed cost (a few microseconds of dispatch, a hand-off
+to the thread pool) made a step of the embedded model's 30 layers take several times what its
+arithmetic and its weights' bytes need. Here a layer is one call (:func:`llama_layer`): the RMS
+norms, the q/k/v products with their biases, RoPE with the model's own angles, the new key and
+value written into the cache layer's buffer, attention over every row
+(:func:`~icecache.cache.score_kernels.dense_decode_fused`), the output product, the SiLU MLP.
+The products run from each layer's weights held as bytes with a step and a minimum per group of
+32 inputs (:func:`~icecache.int8_rows.grouped_product`, the input in float32): a GGUF layer's
+own (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
+(:class:`~icecache.weights.Int4Linear`, made once: a byte a weight beside its packed four bits).
+
+When: a Llama-family model (no per-head norms) whose every layer is one of those two, on the CPU
+in float32, and a cache whose every layer is a plain dense growing layer
+(:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and ``ice`` while it keeps
+every layer dense) with no clamped distances and no 16-bit decode copy; otherwise the step's
+torch ops. The reference is that torch step (tests/test_fused_step.py: logits of 64 steps
+within float tolerance of transformers' forward over the same weights in float32).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+from numba import njit, prange
+
+from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+from .cache.score_kernels import DECODE_ROWS, decode_block, join_blocks
+from .int8_rows import group_sums, grouped_tile, tile_groups
+
+NO_BIAS = np.zeros(0, np.float32)
+
+
+@njit(fastmath=True, cache=True)
+def _rms(x, w, eps):
+    """The Llama family's RMS norm, in float32 throughout (a float64 scale made the row float64,
+    and every product after it half as fast)."""
+    s = np.float32(0.0)
+    for i in range(x.shape[0]):
+        s += x[i] * x[i]
+    r = np.float32(1.0) / np.float32(np.sqrt(s / np.float32(x.shape[0]) + eps))
+    return w * (x * r)
+
+
+@njit(fastmath=True, cache=True)
+def _rope(v, heads, d, cos, sin):
+    """transformers' rotation, ``v * cos + rotate_half(v) * sin``, head by head, in place."""
+    half = d // 2
+    for h in range(heads):
+        o = h * d
+        for j in range(half):
+            a, b = v[o + j], v[o + half + j]
+            v[o + j] = a * cos[j] - b * sin[j]
+            v[o + half + j] = b * cos[half + j] + a * sin[half + j]
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d):
+    """One Llama-family decoder layer for one token: ``x`` (D,) float32 -> the layer's output.
+    ``norms`` (2, D): input and post-attention norm weights; ``weights``/``tables``/``biases``:
+    q, k, v, o, gate, up, down in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty),
+    ``rows`` their output sizes; ``cos``/``sin`` (d,); ``kbuf``/``vbuf`` (Hk, capacity, d) the
+    cache layer's buffers, whose row ``n`` this step's key and value take; attention over rows
+    0..n.
+
+    Its parallel loops are its own (q, k and v's tiles in one loop, gate and up's in another):
+    a parallel kernel called from compiled code took several times as long as called from Python
+    (0.75-1.13 ms against 0.20 for a layer's seven products)."""
+    h = _rms(x, norms[0], eps)
+    sums = group_sums(h)
+    q, k, v = np.empty(rows[0], np.float32), np.empty(rows[1], np.float32), np.empty(rows[2], np.float32)
+    wq, wk, wv, tq, tk, tv = weights[0], weights[1], weights[2], tables[0], tables[1], tables[2]
+    nq, nk = wq.shape[0], wk.shape[0]
+    for t in prange(nq + 2 * nk):
+        if t < nq:
+            grouped_tile(wq, tq, h, sums, q, t)
+        elif t < nq + nk:
+            grouped_tile(wk, tk, h, sums, k, t - nq)
+        else:
+            grouped_tile(wv, tv, h, sums, v, t - nq - nk)
+    for out, bias in ((q, biases[0]), (k, biases[1]), (v, biases[2])):
+        if bias.shape[0]:
+            out += bias
+    _rope(q, H, d, cos, sin)
+    _rope(k, Hk, d, cos, sin)
+    for g in range(Hk):
+        for j in range(d):
+            kbuf[g, n, j] = k[g * d + j]
+            vbuf[g, n, j] = v[g * d + j]
+    # attention over rows 0..n: blocks of rows per task, joined after (score_kernels)
+    q3 = q.reshape(Hk, H // Hk, d)
+    rows_n = n + 1
+    blocks = max(1, (rows_n + DECODE_ROWS - 1) // DECODE_ROWS)
+    scores = np.empty((Hk, H // Hk, rows_n), np.float32)
+    top = np.empty((Hk, blocks, H // Hk), np.float32)
+    total = np.empty((Hk, blocks, H // Hk), np.float32)
+    part = np.empty((Hk, blocks, H // Hk, d), np.float32)
+    for task in prange(Hk * blocks):
+        decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), q3, kbuf, 0, task // blocks, task % blocks,
+                     scores, top, total, part)
+    attn = np.empty((Hk, H // Hk, d), np.float32)
+    join_blocks(top, total, part, attn)
+    flat = attn.reshape(H * d)
+    o = np.empty(rows[3], np.float32)
+    osums = group_sums(flat)
+    wo, to = weights[3], tables[3]
+    for t in prange(wo.shape[0]):
+        grouped_tile(wo, to, flat, osums, o, t)
+    if biases[3].shape[0]:
+        o += biases[3]
+    x = x + o
+    h = _rms(x, norms[1], eps)
+    sums = group_sums(h)
+    gate, up = np.empty(rows[4], np.float32), np.empty(rows[5], np.float32)
+    wg, wu, tg, tu = weights[4], weights[5], tables[4], tables[5]
+    ng = wg.shape[0]
+    for t in prange(2 * ng):
+        if t < ng:
+            grouped_tile(wg, tg, h, sums, gate, t)
+        else:
+            grouped_tile(wu, tu, h, sums, up, t - ng)
+    if biases[4].shape[0]:
+        gate += biases[4]
+    if biases[5].shape[0]:
+        up += biases[5]
+    act = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    down = np.empty(rows[6], np.float32)
+    asums = group_sums(act)
+    wd, td = weights[6], tables[6]
+    for t in prange(wd.shape[0]):
+        grouped_tile(wd, td, act, asums, down, t)
+    if biases[6].shape[0]:
+        down += biases[6]
+    return x + down
+
+
+def _bytes_of(mod: Any) -> tuple[np.ndarray, np.ndarray] | None:
+    """A linear layer's weights as (tiles, tables) of grouped bytes, or None where it has none
+    exactly: a GGUF layer's own, an exact int4 layer's values (made here)."""
+    from .gguf_weights import GroupedLinear
+    from .weights import Int4Linear, quantize_groups
+
+    if isinstance(mod, GroupedLinear):
+        return mod.tiles.numpy(), mod.tables.numpy()
+    if type(mod) is Int4Linear and mod.exact:
+        q, step, low = quantize_groups(mod.widened)
+        return tile_groups(q.numpy().astype(np.uint8), step.numpy(), low.numpy())
+    return None
+
+
+class FusedLayers:
+    """The weights :func:`llama_layer` reads, per layer (made once per model, :meth:`of`)."""
+
+    def __init__(self, layers: list[tuple]):
+        self.layers = layers
+
+    @staticmethod
+    def of(model: Any) -> FusedLayers | None:
+        """The model's fused layers, or None where a layer cannot be fused (module docstring)."""
+        inner = model.model
+        out = []
+        for layer in inner.layers[: model.config.num_hidden_layers]:
+            a, mlp = layer.self_attn, layer.mlp
+            if hasattr(a, "q_norm") or getattr(model.config, "hidden_act", "silu") != "silu":
+                return None
+            mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+            made = [_bytes_of(m) for m in mods]
+            if any(m is None for m in made):
+                return None
+            biases = tuple(NO_BIAS if m.bias is None else m.bias.detach().float().contiguous().numpy() for m in mods)
+            norms = np.stack([layer.input_layernorm.weight.detach().float().numpy(),
+                              layer.post_attention_layernorm.weight.detach().float().numpy()])
+            out.append((mods, norms, np.float32(layer.input_layernorm.variance_epsilon),
+                        tuple(m[0] for m in made), tuple(m[1] for m in made), biases,
+                        np.array([m.out_features for m in mods], np.int64)))
+        return FusedLayers(out)
+
+    def current(self, model: Any) -> bool:
+        """Whether the model still has the modules these were made from."""
+        for (mods, *_), layer in zip(self.layers, model.model.layers, strict=False):
+            a, mlp = layer.self_attn, layer.mlp
+            if mods != (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
+                return False
+        return True
+
+
+def dense_rows(cache: Any, num_layers: int) -> list | None:
+    """The cache's layers where each is a plain dense growing layer in float32 holding the prompt
+    (no clamped distances, no 16-bit decode copy), else None."""
+    from .cache.dense import GrowingLayer
+
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) < num_layers:
+        return None
+    for layer in layers[:num_layers]:
+        if (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
+                or layer.clamp is not None or layer.decode_dtype is not None
+                or layer._k.dtype != torch.float32 or layer._k.shape[0] != 1):
+            return None
+    return layers[:num_layers]
+
+
+def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+               heads: int, kv_heads: int, d: int, scale: float) -> torch.Tensor:
+    """Every decoder layer of one step through :func:`llama_layer`, each cache layer grown by
+    the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,)."""
+    xn = x.detach().contiguous().numpy()
+    cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
+    for (_mods, norms, eps, weights, tables, biases, rows), layer in zip(fused.layers, layers, strict=True):
+        n = layer._n
+        like = layer._k[:, :, :1]
+        layer._reserve(n + 1, like, layer._v[:, :, :1])
+        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, layer._k[0].numpy(),
+                         layer._v[0].numpy(), n, np.float32(scale), heads, kv_heads, d)
+        layer._n = n + 1
+        layer.keys = layer._k[:, :, : layer._n]
+        layer.values = layer._v[:, :, : layer._n]
+    return torch.from_numpy(xn)
+
+
+_paused = False
+
+
+class unfused:
+    """Inside it, decode steps take the torch ops (the bench's clock on the linear layers times
+    their modules, which the fused layers do not call)."""
+
+    def __enter__(self):
+        global _paused
+        self._before, _paused = _paused, True
+        return self
+
+    def __exit__(self, *exc) -> None:
+        global _paused
+        _paused = self._before
+
+
+def paused() -> bool:
+    return _paused

@@ -1,0 +1,130 @@
+"""The fused decode layers (icecache/fused_step.py) against transformers' forward of the float
+model over the same weights: 64 steps, within float tolerance, where the cache is dense."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from icecache import fast_step
+from icecache import weights as W
+from icecache.fast_step import FastStep
+from icecache.fused_step import FusedLayers, unfused
+from icecache.methods import make_cache, prepare_model
+from tests.test_fast_step import small_settings
+from tests.test_ice_cache import tiny_model
+from tests.test_weights import _four_bit_groups
+
+
+def exact_int4(arch: str):
+    """(float model, the same model with its exact int4 layers) of a tiny ``arch``; both with the
+    float LM head (the checked head's logits other than the largest are int8's)."""
+    model = tiny_model(arch)
+    _four_bit_groups(model)
+    float_model = copy.deepcopy(model)
+    assert W.apply_weights(model, "auto") == "int4"
+    model.lm_head = copy.deepcopy(float_model.lm_head)
+    return float_model, model
+
+
+def forced_logits(model, cache, prompt: list[int], forced: list[int], step=None) -> list[torch.Tensor]:
+    """Prefill ``prompt`` by the model's forward, then ``forced`` one token at a time, through
+    ``step`` (a FastStep) or the forward; the logits of each."""
+    out = []
+    with torch.inference_mode():
+        for lo in range(0, len(prompt), 64):
+            model(input_ids=torch.tensor([prompt[lo:lo + 64]]), past_key_values=cache, use_cache=True)
+        for t in forced:
+            if step is not None:
+                out.append(step.step(t, cache).clone())
+            else:
+                r = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True, logits_to_keep=1)
+                out.append(r.logits[0, -1].clone())
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("method", ["dense", "ice"])
+def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
+    """``dense``, and ``ice`` on a run short enough to keep every layer dense (qwen2: q/k/v
+    biases): each of 64 steps' logits within float rounding of the float model's forward over
+    the same values, through the fused layers every step."""
+    float_model, model = exact_int4(arch)
+    g = torch.Generator().manual_seed(7)
+    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
+    forced = torch.randint(0, 97, (64,), generator=g).tolist()
+    settings = small_settings(dense_until=1024)
+    total = len(prompt) + len(forced) + 1
+    from transformers import DynamicCache
+
+    ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
+    prepare_model(method, model, settings, total)
+    calls = []
+    real = fast_step.run_layers
+    monkeypatch.setattr(fast_step, "run_layers", lambda *a: calls.append(1) or real(*a))
+    got = forced_logits(model, make_cache(method, model, settings, total), prompt, forced, FastStep(model))
+    assert len(calls) == len(forced)  # every step fused
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        err = float((a - b).abs().max())
+        assert err <= 1e-4 * float(a.abs().max()), f"{arch} {method} step {i}: {err:.2e}"
+
+
+def test_not_fused_where_the_cache_or_the_weights_do_not_allow(monkeypatch):
+    """A float layer (no exact bytes), transformers' own cache (``full``), a paused step (the
+    bench's linear clock): the torch step, bit for bit the forward."""
+    calls = []
+    real = fast_step.run_layers
+    monkeypatch.setattr(fast_step, "run_layers", lambda *a: calls.append(1) or real(*a))
+    g = torch.Generator().manual_seed(8)
+    prompt = torch.randint(0, 97, (70,), generator=g).tolist()
+    forced = torch.randint(0, 97, (4,), generator=g).tolist()
+    settings = small_settings(dense_until=1024)
+    total = len(prompt) + len(forced) + 1
+
+    plain = tiny_model("llama")
+    W.apply_weights(plain, "auto")  # random weights: no layer holds in 4-bit groups
+    assert FusedLayers.of(plain) is None
+    _float, model = exact_int4("llama")
+    assert FusedLayers.of(model) is not None
+    for m, method, paused in ((plain, "dense", False), (model, "full", False), (model, "dense", True)):
+        prepare_model(method, m, settings, total)
+        step = FastStep(m)
+        caches = [make_cache(method, m, settings, total) for _ in range(2)]
+        if paused:
+            with unfused():
+                got = forced_logits(m, caches[0], prompt, forced, step)
+        else:
+            got = forced_logits(m, caches[0], prompt, forced, step)
+        ref = forced_logits(m, caches[1], prompt, forced)
+        assert all(torch.equal(a, b) for a, b in zip(ref, got, strict=True)), method
+    assert calls == []
+
+
+def test_the_embedded_models_fused_steps_are_its_float_forward(loaded, monkeypatch):
+    """The real weights (int4, exact: the GGUF's Q4_1 values) with ice keeping every layer dense:
+    the fused layers' logits within float rounding of the float model's forward, through the
+    same LM head, and the same greedy tokens."""
+    from transformers import DynamicCache
+
+    from icecache.config import resolve_settings
+    from icecache.models import load_model
+
+    int4 = load_model(None, resolve_settings("cpu", weights="int4")).model
+    int4.lm_head = loaded.model.lm_head  # (the float head: the checked head's other logits are int8's)
+    ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
+    forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
+    settings = resolve_settings("cpu", weights="int4").replace(chunk_size=256)
+    total = len(ids) + len(forced) + 1
+    ref = forced_logits(loaded.model, DynamicCache(config=loaded.model.config), ids, forced)
+    prepare_model("ice", int4, settings, total)
+    calls = []
+    real = fast_step.run_layers
+    monkeypatch.setattr(fast_step, "run_layers", lambda *a: calls.append(1) or real(*a))
+    got = forced_logits(int4, make_cache("ice", int4, settings, total), ids, forced, FastStep(int4))
+    assert len(calls) == len(forced)
+    for i, (a, b) in enumerate(zip(ref, got, strict=True)):
+        err = float((a - b).abs().max())
+        assert err <= 1e-4 * float(a.abs().max()), f"step {i}: {err:.2e}"
+        assert int(a.argmax()) == int(b.argmax())
