@@ -15,8 +15,8 @@ own (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's va
 When: a Llama-family model (no per-head norms) whose every layer is one of those two, on the CPU
 in float32, and a cache whose every layer is a plain dense growing layer
 (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and ``ice`` while it keeps
-every layer dense) with no clamped distances and no 16-bit decode copy; otherwise the step's
-torch ops. The reference is that torch step (tests/test_fused_step.py: logits of 64 steps
+every layer dense, distances past the trained context clamped or not) with no 16-bit decode copy;
+otherwise the step's torch ops. The reference is that torch step (tests/test_fused_step.py: logits of 64 steps
 within float tolerance of transformers' forward over the same weights in float32).
 """
 
@@ -59,13 +59,16 @@ def _rope(v, heads, d, cos, sin):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d):
+def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d,
+                turn, k0buf, c):
     """One Llama-family decoder layer for one token: ``x`` (D,) float32 -> the layer's output.
     ``norms`` (2, D): input and post-attention norm weights; ``weights``/``tables``/``biases``:
     q, k, v, o, gate, up, down in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty),
     ``rows`` their output sizes; ``cos``/``sin`` (d,); ``kbuf``/``vbuf`` (Hk, capacity, d) the
     cache layer's buffers, whose row ``n`` this step's key and value take; attention over rows
-    0..n.
+    0..n. ``c`` > 0 (clamped distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`):
+    the first ``c`` rows score against ``k0buf`` (the oldest keys un-rotated) with the query
+    turned by ``turn`` (d, d), as :func:`~icecache.cache.score_kernels.dense_decode_fused`.
 
     Its parallel loops are its own (q, k and v's tiles in one loop, gate and up's in another):
     a parallel kernel called from compiled code took several times as long as called from Python
@@ -99,9 +102,21 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
     top = np.empty((Hk, blocks, H // Hk), np.float32)
     total = np.empty((Hk, blocks, H // Hk), np.float32)
     part = np.empty((Hk, blocks, H // Hk, d), np.float32)
-    for task in prange(Hk * blocks):
-        decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), q3, kbuf, 0, task // blocks, task % blocks,
-                     scores, top, total, part)
+    if c > 0:
+        far = np.zeros((Hk, H // Hk, d), np.float32)
+        for i in range(Hk):
+            for g in range(H // Hk):
+                for m in range(d):
+                    a = q3[i, g, m]
+                    for j in range(d):
+                        far[i, g, j] += a * turn[m, j]
+        for task in prange(Hk * blocks):
+            decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), far, k0buf, c, task // blocks,
+                         task % blocks, scores, top, total, part)
+    else:
+        for task in prange(Hk * blocks):
+            decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), q3, kbuf, 0, task // blocks,
+                         task % blocks, scores, top, total, part)
     attn = np.empty((Hk, H // Hk, d), np.float32)
     join_blocks(top, total, part, attn)
     flat = attn.reshape(H * d)
@@ -190,7 +205,7 @@ class FusedLayers:
 
 def dense_rows(cache: Any, num_layers: int) -> list | None:
     """The cache's layers where each is a plain dense growing layer in float32 holding the prompt
-    (no clamped distances, no 16-bit decode copy), else None."""
+    (no 16-bit decode copy), else None."""
     from .cache.dense import GrowingLayer
 
     layers = getattr(cache, "layers", None)
@@ -198,7 +213,7 @@ def dense_rows(cache: Any, num_layers: int) -> list | None:
         return None
     for layer in layers[:num_layers]:
         if (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
-                or layer.clamp is not None or layer.decode_dtype is not None
+                or layer.decode_dtype is not None
                 or layer._k.dtype != torch.float32 or layer._k.shape[0] != 1):
             return None
     return layers[:num_layers]
@@ -210,12 +225,19 @@ def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Ten
     the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,)."""
     xn = x.detach().contiguous().numpy()
     cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
+    no_turn = np.zeros((d, d), np.float32)
     for (_mods, norms, eps, weights, tables, biases, rows), layer in zip(fused.layers, layers, strict=True):
         n = layer._n
         like = layer._k[:, :, :1]
         layer._reserve(n + 1, like, layer._v[:, :, :1])
-        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, layer._k[0].numpy(),
-                         layer._v[0].numpy(), n, np.float32(scale), heads, kv_heads, d)
+        kbuf = layer._k[0].numpy()
+        clamp = layer.clamp_rows(n + 1)
+        if clamp is None:
+            turn, k0buf, c = no_turn, kbuf, 0
+        else:
+            turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
+        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, kbuf, layer._v[0].numpy(), n,
+                         np.float32(scale), heads, kv_heads, d, turn, k0buf, c)
         layer._n = n + 1
         layer.keys = layer._k[:, :, : layer._n]
         layer.values = layer._v[:, :, : layer._n]

@@ -103,7 +103,8 @@ def compile_cache() -> None:
     f32 = np.float32
     llama_layer(np.ones(64, f32), np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7,
                 np.full(7, 64, np.int64), np.ones(16, f32), np.zeros(16, f32), np.zeros((2, 8, 16), f32),
-                np.zeros((2, 8, 16), f32), 0, f32(0.25), 4, 2, 16)
+                np.zeros((2, 8, 16), f32), 0, f32(0.25), 4, 2, 16, np.zeros((16, 16), f32),
+                np.zeros((2, 8, 16), f32), 0)
 
 
 def convert_embedded() -> None:

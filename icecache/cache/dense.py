@@ -64,27 +64,38 @@ class GrowingLayer(DynamicLayer):
         ``clamp_ahead`` keys at a time) and the query turned from its position to ``trained -
         1``, so that ``far_q @ k0^T`` are those keys' scores at distance ``trained - 1`` (RoPE
         depends on the difference of positions)."""
-        frame = self.clamp
-        n = self._n
-        if frame is None or n <= frame.trained:
+        got = self.clamp_rows(self._n)
+        if got is None:
             return None
-        c = n - frame.trained
+        k0, turn = got
+        far_q = torch.matmul(query[0, :, 0].float(), turn).view(k0.shape[0], -1, turn.shape[0])
+        return far_q, k0
+
+    def clamp_rows(self, rows: int):
+        """For a decode step over ``rows`` rows (its own included; the rows before it held):
+        None within the trained context, else ``(k0 (H, c, d), turn (d, d))``: the ``c = rows -
+        trained`` oldest keys un-rotated and the rotation that turns the step's query to the
+        farthest trained distance (:meth:`clamped`, whose query it turns; the fused layers turn
+        theirs themselves)."""
+        frame = self.clamp
+        if frame is None or rows <= frame.trained:
+            return None
+        c = rows - frame.trained
         H, d = self._k.shape[1], self._k.shape[3]
         # the next keys to clamp, a block ahead: one key per step cost 3 ms per token at 8k
-        # (30 layers)
+        # (30 layers); only rows the layer holds (a fused step writes its own row later)
         if self._c0 < c:
-            upto = min(n, c + self.clamp_ahead)
+            upto = min(self._n, c + self.clamp_ahead)
             if self._k0 is None or self._k0.shape[1] < upto:
                 grown = torch.empty((H, upto + self.clamp_ahead, d), dtype=torch.float32, device=self._k.device)
                 if self._c0:
                     grown[:, : self._c0] = self._k0[:, : self._c0]
                 self._k0 = grown
-            rows = self._k[0, :, self._c0 : upto].float()
-            self._k0[:, self._c0 : upto] = frame.rotate(rows, torch.arange(self._c0, upto), 0)
+            rows_ = self._k[0, :, self._c0 : upto].float()
+            self._k0[:, self._c0 : upto] = frame.rotate(rows_, torch.arange(self._c0, upto), 0)
             self._c0 = upto
-        turn = frame.rotation_matrix(n - 1, frame.trained - 1, d, str(self._k0.device))
-        far_q = torch.matmul(query[0, :, 0].float(), turn).view(H, -1, d)
-        return far_q, self._k0[:, :c]
+        turn = frame.rotation_matrix(rows - 1, frame.trained - 1, d, str(self._k0.device))
+        return self._k0[:, :c], turn
 
     def _reserve(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         cap = 0 if self._k is None else self._k.shape[2]
