@@ -46,7 +46,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .fused_step import FusedLayers, dense_rows, paused, run_layers
+from .fused_step import FusedLayers, dense_rows, paused, run_layers, run_split
 from .weights import COMPUTE, GROUP, Int4Linear, in_prompt
 
 # attention implementations whose decode over a plain dense growing layer is dense_decode
@@ -246,21 +246,16 @@ class FastStep:
         # every layer in one numba call where the cache allows (fused_step): made at the first such step
         self._fused: Any = None if config.model_type in ("llama", "mistral", "qwen2") else False
 
-    def _fused_for(self, cache: Any, attention: str) -> tuple | None:
-        """(fused layers, the cache's dense layers) where this step can run every layer in one
-        numba call each (:mod:`~icecache.fused_step`), else None."""
+    def _fused_layers(self, cache: Any) -> FusedLayers | None:
+        """The model's layers for :mod:`~icecache.fused_step` (made at the first such step), or
+        None where this step takes the torch ops."""
         if self._fused is False or cache is None or in_prompt() or paused():
-            return None
-        if attention not in FUSED_ATTENTION:  # (their dense decode is the one llama_layer computes)
-            return None
-        layers = dense_rows(cache, self.model.config.num_hidden_layers)
-        if layers is None:
             return None
         if self._fused is None or not self._fused.current(self.model):
             self._fused = FusedLayers.of(self.model) or False
             if self._fused is False:
                 return None
-        return self._fused, layers
+        return self._fused
 
     def _angles(self, x: torch.Tensor, position_ids: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (cos, sin) for this step from the model's own rotary module (its angles and
@@ -285,11 +280,23 @@ class FastStep:
         x = inner.embed_tokens(ids)  # (1, 1, D)
         position_ids = torch.tensor([[position]], dtype=torch.long)
         angles = self._angles(x, position_ids)
-        fused = self._fused_for(cache, config._attn_implementation)
+        fused = self._fused_layers(cache)
         if fused is not None:
             cos, sin = angles[0]
-            x = run_layers(fused[0], fused[1], x.reshape(-1), cos.reshape(-1), sin.reshape(-1), H, Hk, d,
-                           inner.layers[0].self_attn.scaling).view(1, 1, -1)
+            cos, sin = cos.reshape(-1), sin.reshape(-1)
+            scale = inner.layers[0].self_attn.scaling
+            dense = dense_rows(cache, config.num_hidden_layers) if config._attn_implementation in FUSED_ATTENTION else None
+            if dense is not None:  # every layer whole, its attention over the dense rows included
+                x = run_layers(fused, dense, x.reshape(-1), cos, sin, H, Hk, d, scale).view(1, 1, -1)
+            else:  # the cache's own update and attention between each layer's two fused parts
+                def attention(i, q, k, v):
+                    k, v = cache.update(k, v, i)
+                    a = inner.layers[i].self_attn
+                    out, _ = attend(a, q, k, v, None, dropout=0.0, scaling=a.scaling, position_ids=position_ids,
+                                    use_cache=True, **self.attend_kwargs[i])
+                    return out
+
+                x = run_split(fused, attention, x.reshape(-1), cos, sin, H, Hk, d).view(1, 1, -1)
         half = d // 2
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers] if fused is None else []):

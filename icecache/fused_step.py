@@ -29,7 +29,7 @@ import torch
 from numba import njit, prange
 
 from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
-from .cache.score_kernels import DECODE_ROWS, decode_block, join_blocks
+from .cache.score_kernels import dense_decode_fused
 from .int8_rows import group_sums, grouped_tile, tile_groups
 
 NO_BIAS = np.zeros(0, np.float32)
@@ -59,21 +59,13 @@ def _rope(v, heads, d, cos, sin):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d,
-                turn, k0buf, c):
-    """One Llama-family decoder layer for one token: ``x`` (D,) float32 -> the layer's output.
-    ``norms`` (2, D): input and post-attention norm weights; ``weights``/``tables``/``biases``:
-    q, k, v, o, gate, up, down in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty),
-    ``rows`` their output sizes; ``cos``/``sin`` (d,); ``kbuf``/``vbuf`` (Hk, capacity, d) the
-    cache layer's buffers, whose row ``n`` this step's key and value take; attention over rows
-    0..n. ``c`` > 0 (clamped distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`):
-    the first ``c`` rows score against ``k0buf`` (the oldest keys un-rotated) with the query
-    turned by ``turn`` (d, d), as :func:`~icecache.cache.score_kernels.dense_decode_fused`.
-
-    Its parallel loops are its own (q, k and v's tiles in one loop, gate and up's in another):
-    a parallel kernel called from compiled code took several times as long as called from Python
-    (0.75-1.13 ms against 0.20 for a layer's seven products)."""
-    h = _rms(x, norms[0], eps)
+def llama_pre(x, norm, eps, weights, tables, biases, rows, cos, sin, H, Hk, d):
+    """A Llama-family layer up to its attention, for one token: ``x`` (D,) float32 -> (q, k, v)
+    (H * d,), (Hk * d,), (Hk * d,) with RoPE on q and k. ``norm`` the input norm's weight;
+    ``weights``/``tables``/``biases``/``rows``: the layer's seven products (q, k, v, o, gate,
+    up, down) in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty) and their output
+    sizes; ``cos``/``sin`` (d,). q, k and v's tiles run in one parallel loop."""
+    h = _rms(x, norm, eps)
     sums = group_sums(h)
     q, k, v = np.empty(rows[0], np.float32), np.empty(rows[1], np.float32), np.empty(rows[2], np.float32)
     wq, wk, wv, tq, tk, tv = weights[0], weights[1], weights[2], tables[0], tables[1], tables[2]
@@ -90,45 +82,23 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
             out += bias
     _rope(q, H, d, cos, sin)
     _rope(k, Hk, d, cos, sin)
-    for g in range(Hk):
-        for j in range(d):
-            kbuf[g, n, j] = k[g * d + j]
-            vbuf[g, n, j] = v[g * d + j]
-    # attention over rows 0..n: blocks of rows per task, joined after (score_kernels)
-    q3 = q.reshape(Hk, H // Hk, d)
-    rows_n = n + 1
-    blocks = max(1, (rows_n + DECODE_ROWS - 1) // DECODE_ROWS)
-    scores = np.empty((Hk, H // Hk, rows_n), np.float32)
-    top = np.empty((Hk, blocks, H // Hk), np.float32)
-    total = np.empty((Hk, blocks, H // Hk), np.float32)
-    part = np.empty((Hk, blocks, H // Hk, d), np.float32)
-    if c > 0:
-        far = np.zeros((Hk, H // Hk, d), np.float32)
-        for i in range(Hk):
-            for g in range(H // Hk):
-                for m in range(d):
-                    a = q3[i, g, m]
-                    for j in range(d):
-                        far[i, g, j] += a * turn[m, j]
-        for task in prange(Hk * blocks):
-            decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), far, k0buf, c, task // blocks,
-                         task % blocks, scores, top, total, part)
-    else:
-        for task in prange(Hk * blocks):
-            decode_block(q3, kbuf, vbuf, rows_n, scale, np.float32(0.0), q3, kbuf, 0, task // blocks,
-                         task % blocks, scores, top, total, part)
-    attn = np.empty((Hk, H // Hk, d), np.float32)
-    join_blocks(top, total, part, attn)
-    flat = attn.reshape(H * d)
+    return q, k, v
+
+
+@njit(parallel=True, fastmath=True, cache=True)
+def llama_post(x, attn, norm, eps, weights, tables, biases, rows):
+    """The rest of the layer after its attention: ``x`` (D,) the layer's input, ``attn`` (H * d,)
+    its attention's output -> the layer's output (the output product, the residual, the
+    post-attention norm ``norm``, the SiLU MLP, the residual; gate and up's tiles in one loop)."""
     o = np.empty(rows[3], np.float32)
-    osums = group_sums(flat)
+    osums = group_sums(attn)
     wo, to = weights[3], tables[3]
     for t in prange(wo.shape[0]):
-        grouped_tile(wo, to, flat, osums, o, t)
+        grouped_tile(wo, to, attn, osums, o, t)
     if biases[3].shape[0]:
         o += biases[3]
     x = x + o
-    h = _rms(x, norms[1], eps)
+    h = _rms(x, norm, eps)
     sums = group_sums(h)
     gate, up = np.empty(rows[4], np.float32), np.empty(rows[5], np.float32)
     wg, wu, tg, tu = weights[4], weights[5], tables[4], tables[5]
@@ -151,6 +121,35 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
     if biases[6].shape[0]:
         down += biases[6]
     return x + down
+
+
+@njit(fastmath=True, cache=True)
+def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d,
+                turn, k0buf, c):
+    """One Llama-family decoder layer for one token over a dense cache layer: :func:`llama_pre`,
+    the new key and value written into row ``n`` of ``kbuf``/``vbuf`` (Hk, capacity, d),
+    attention over rows 0..n (:func:`~icecache.cache.score_kernels.dense_decode_fused`; ``c`` >
+    0, clamped distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c``
+    rows score against ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn``
+    (d, d)), :func:`llama_post`. ``norms`` (2, D): the input and post-attention norms' weights."""
+    q, k, v = llama_pre(x, norms[0], eps, weights, tables, biases, rows, cos, sin, H, Hk, d)
+    for g in range(Hk):
+        for j in range(d):
+            kbuf[g, n, j] = k[g * d + j]
+            vbuf[g, n, j] = v[g * d + j]
+    q3 = q.reshape(Hk, H // Hk, d)
+    far = q3
+    if c > 0:
+        far = np.zeros((Hk, H // Hk, d), np.float32)
+        for i in range(Hk):
+            for g in range(H // Hk):
+                for m in range(d):
+                    a = q3[i, g, m]
+                    for j in range(d):
+                        far[i, g, j] += a * turn[m, j]
+    attn = np.empty((Hk, H // Hk, d), np.float32)
+    dense_decode_fused(q3, kbuf, vbuf, n + 1, scale, np.float32(0.0), far, k0buf if c > 0 else kbuf, c, attn)
+    return llama_post(x, attn.reshape(H * d), norms[1], eps, weights, tables, biases, rows)
 
 
 def _bytes_of(mod: Any) -> tuple[np.ndarray, np.ndarray] | None:
@@ -263,3 +262,20 @@ class unfused:
 
 def paused() -> bool:
     return _paused
+
+
+def run_split(fused: FusedLayers, attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+              heads: int, kv_heads: int, d: int) -> torch.Tensor:
+    """Every decoder layer of one step as :func:`llama_pre`, ``attention(i, q, k, v)`` (the
+    cache's update and the method's attention function, given (1, H, 1, d) tensors; returns the
+    output, (1, 1, H, d)) and :func:`llama_post`: for any cache. ``x`` (D,) float32 -> (D,)."""
+    xn = x.detach().contiguous().numpy()
+    cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
+    for i, (_mods, norms, eps, weights, tables, biases, rows) in enumerate(fused.layers):
+        q, k, v = llama_pre(xn, norms[0], eps, weights, tables, biases, rows, cn, sn, heads, kv_heads, d)
+        out = attention(i, torch.from_numpy(q).view(1, 1, heads, d).transpose(1, 2),
+                        torch.from_numpy(k).view(1, 1, kv_heads, d).transpose(1, 2),
+                        torch.from_numpy(v).view(1, 1, kv_heads, d).transpose(1, 2))
+        xn = llama_post(xn, out.detach().reshape(-1).float().contiguous().numpy(), norms[1], eps, weights,
+                        tables, biases, rows)
+    return torch.from_numpy(xn)

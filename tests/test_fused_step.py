@@ -46,11 +46,12 @@ def forced_logits(model, cache, prompt: list[int], forced: list[int], step=None)
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
-@pytest.mark.parametrize("method", ["dense", "ice"])
+@pytest.mark.parametrize("method", ["dense", "ice", "full"])
 def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
-    """``dense``, and ``ice`` on a run short enough to keep every layer dense (qwen2: q/k/v
+    """``dense``, and ``ice`` on a run short enough to keep every layer dense, whole layers;
+    ``full`` (transformers' cache and attention) the layers' two parts around them (qwen2: q/k/v
     biases): each of 64 steps' logits within float rounding of the float model's forward over
-    the same values, through the fused layers every step."""
+    the same values."""
     float_model, model = exact_int4(arch)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 97, (90,), generator=g).tolist()
@@ -62,8 +63,9 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
     ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
     prepare_model(method, model, settings, total)
     calls = []
-    real = fast_step.run_layers
-    monkeypatch.setattr(fast_step, "run_layers", lambda *a: calls.append(1) or real(*a))
+    name = "run_split" if method == "full" else "run_layers"
+    real = getattr(fast_step, name)
+    monkeypatch.setattr(fast_step, name, lambda *a: calls.append(1) or real(*a))
     got = forced_logits(model, make_cache(method, model, settings, total), prompt, forced, FastStep(model))
     assert len(calls) == len(forced)  # every step fused
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
@@ -71,12 +73,40 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
         assert err <= 1e-5 * float(a.abs().max()), f"{arch} {method} step {i}: {err:.2e}"
 
 
-def test_not_fused_where_the_cache_or_the_weights_do_not_allow(monkeypatch):
-    """A float layer (no exact bytes), transformers' own cache (``full``), a paused step (the
-    bench's linear clock): the torch step, bit for bit the forward."""
+def test_every_method_runs_the_split_layers_as_the_torch_step(monkeypatch):
+    """Every method (small pages and budgets, as tests/test_fast_step.py): the fused layers' two
+    parts around the method's own cache and attention (whole layers where the cache is dense)
+    against the float model's torch step, within float rounding (no choice of pages moved)."""
+    from icecache.methods import names
+
+    float_model, model = exact_int4("llama")
+    g = torch.Generator().manual_seed(10)
+    prompt = torch.randint(0, 97, (120,), generator=g).tolist()
+    forced = torch.randint(0, 97, (8,), generator=g).tolist()
+    settings = small_settings()
+    total = len(prompt) + len(forced) + 1
     calls = []
-    real = fast_step.run_layers
-    monkeypatch.setattr(fast_step, "run_layers", lambda *a: calls.append(1) or real(*a))
+    for name in ("run_split", "run_layers"):
+        real = getattr(fast_step, name)
+        monkeypatch.setattr(fast_step, name, lambda *a, _r=real: calls.append(1) or _r(*a))
+    for method in names():
+        outs = []
+        for m in (float_model, model):
+            prepare_model(method, m, settings, total)
+            outs.append(forced_logits(m, make_cache(method, m, settings, total), prompt, forced, FastStep(m)))
+        for i, (a, b) in enumerate(zip(*outs, strict=True)):
+            err = float((a - b).abs().max())
+            assert err <= 1e-5 * float(a.abs().max()), f"{method} step {i}: {err:.2e}"
+    assert len(calls) == len(names()) * len(forced)  # the int4 model's steps, every one fused
+
+
+def test_not_fused_where_the_weights_do_not_allow(monkeypatch):
+    """A float layer (no exact bytes), a paused step (the bench's linear clock): the torch step,
+    bit for bit the forward."""
+    calls = []
+    for name in ("run_split", "run_layers"):
+        real = getattr(fast_step, name)
+        monkeypatch.setattr(fast_step, name, lambda *a, _r=real: calls.append(1) or _r(*a))
     g = torch.Generator().manual_seed(8)
     prompt = torch.randint(0, 97, (70,), generator=g).tolist()
     forced = torch.randint(0, 97, (4,), generator=g).tolist()
@@ -88,7 +118,8 @@ def test_not_fused_where_the_cache_or_the_weights_do_not_allow(monkeypatch):
     assert FusedLayers.of(plain) is None
     _float, model = exact_int4("llama")
     assert FusedLayers.of(model) is not None
-    for m, method, paused in ((plain, "dense", False), (model, "full", False), (model, "dense", True)):
+    for m, method, paused in ((plain, "dense", False), (plain, "full", False), (model, "dense", True),
+                              (model, "ice", True)):
         prepare_model(method, m, settings, total)
         step = FastStep(m)
         caches = [make_cache(method, m, settings, total) for _ in range(2)]
