@@ -1,27 +1,33 @@
-"""A decode step's decoder layer in one numba call, where every layer's cache is dense.
+"""A decode step's decoder layers in numba, from the layers' own quantized values.
 
 :class:`~icecache.fast_step.FastStep` runs a layer as some fifty torch ops and four to seven
 weight products; on a 2-core CPU each op's fixed cost (a few microseconds of dispatch, a hand-off
 to the thread pool) made a step of the embedded model's 30 layers take several times what its
-arithmetic and its weights' bytes need. Here a layer is one call (:func:`llama_layer`): the RMS
-norms, the q/k/v products with their biases, RoPE with the model's own angles, the new key and
-value written into the cache layer's buffer, attention over every row
-(:func:`~icecache.cache.score_kernels.dense_decode_fused`), the output product, the SiLU MLP.
-The products run from each layer's weights held as bytes with a step and a minimum per group of
-32 inputs (:func:`~icecache.int8_rows.grouped_product`, the input in float32): a GGUF layer's
-own (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
-(:class:`~icecache.weights.Int4Linear`, made once: a byte a weight beside its packed four bits).
+arithmetic and its weights' bytes need. Here a layer is two numba calls around its attention:
+:func:`llama_pre` (the input RMS norm, the q/k/v products with their biases, RoPE with the
+model's own angles) and :func:`llama_post` (the output product, the residual, the post-attention
+norm, the SiLU MLP); between them the cache's own ``update`` and the method's own attention
+function, so every method runs through it (:func:`run_split`). Where every cache layer is a
+plain dense growing layer (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and
+``ice`` while it keeps every layer dense, distances past the trained context clamped or not, no
+16-bit decode copy), the whole layer is one call (:func:`llama_layer`, :func:`run_layers`): the
+new key and value go into the layer's buffer and attention over its rows runs in numba too
+(:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
-When: a Llama-family model (no per-head norms) whose every layer is one of those two, on the CPU
-in float32, and a cache whose every layer is a plain dense growing layer
-(:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and ``ice`` while it keeps
-every layer dense, distances past the trained context clamped or not) with no 16-bit decode copy;
-otherwise the step's torch ops. The reference is that torch step (tests/test_fused_step.py: logits of 64 steps
-within float tolerance of transformers' forward over the same weights in float32).
+The products run from each layer's weights held as bytes with a step and a minimum per group of
+32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32): a GGUF layer's own
+(:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
+(:class:`~icecache.weights.Int4Linear`, made at the first step: a byte a weight beside its
+packed four bits). When: a Llama-family model (Llama, Mistral, Qwen 2; no per-head norms, SiLU)
+whose every layer is one of those two, on the CPU in float32, outside a prompt; otherwise the
+torch step, which stays the reference (tests/test_fused_step.py: 64 steps' logits within float
+rounding of transformers' forward over the same values in float32, and every method against the
+float model's torch step).
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Any
 
 import numpy as np
@@ -246,18 +252,16 @@ def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Ten
 _paused = False
 
 
-class unfused:
+@contextlib.contextmanager
+def unfused():
     """Inside it, decode steps take the torch ops (the bench's clock on the linear layers times
     their modules, which the fused layers do not call)."""
-
-    def __enter__(self):
-        global _paused
-        self._before, _paused = _paused, True
-        return self
-
-    def __exit__(self, *exc) -> None:
-        global _paused
-        _paused = self._before
+    global _paused
+    before, _paused = _paused, True
+    try:
+        yield
+    finally:
+        _paused = before
 
 
 def paused() -> bool:

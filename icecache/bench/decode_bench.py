@@ -133,7 +133,7 @@ class LinearClock:
         self._product_of = Int4Layer.product_of
         Int4Layer.product_of = staticmethod(self._timed_product)
         self._unfused = unfused()
-        self._unfused.__enter__()
+        self._unfused.__enter__()  # (left in __exit__)
         return self
 
     def __exit__(self, *exc) -> None:
