@@ -92,18 +92,23 @@ def llama_pre(x, norm, eps, weights, tables, biases, rows, cos, sin, H, Hk, d):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
+def _product(w, tb, x, rows, bias):
+    """One layer's grouped-bytes product of ``x`` (its tiles in parallel) plus its bias (empty: none)."""
+    out = np.empty(rows, np.float32)
+    sums = group_sums(x)
+    for t in prange(w.shape[0]):
+        grouped_tile(w, tb, x, sums, out, t)
+    if bias.shape[0]:
+        out += bias
+    return out
+
+
+@njit(parallel=True, fastmath=True, cache=True)
 def llama_post(x, attn, norm, eps, weights, tables, biases, rows):
     """The rest of the layer after its attention: ``x`` (D,) the layer's input, ``attn`` (H * d,)
     its attention's output -> the layer's output (the output product, the residual, the
     post-attention norm ``norm``, the SiLU MLP, the residual; gate and up's tiles in one loop)."""
-    o = np.empty(rows[3], np.float32)
-    osums = group_sums(attn)
-    wo, to = weights[3], tables[3]
-    for t in prange(wo.shape[0]):
-        grouped_tile(wo, to, attn, osums, o, t)
-    if biases[3].shape[0]:
-        o += biases[3]
-    x = x + o
+    x = x + _product(weights[3], tables[3], attn, rows[3], biases[3])
     h = _rms(x, norm, eps)
     sums = group_sums(h)
     gate, up = np.empty(rows[4], np.float32), np.empty(rows[5], np.float32)
@@ -119,14 +124,7 @@ def llama_post(x, attn, norm, eps, weights, tables, biases, rows):
     if biases[5].shape[0]:
         up += biases[5]
     act = gate / (np.float32(1.0) + np.exp(-gate)) * up
-    down = np.empty(rows[6], np.float32)
-    asums = group_sums(act)
-    wd, td = weights[6], tables[6]
-    for t in prange(wd.shape[0]):
-        grouped_tile(wd, td, act, asums, down, t)
-    if biases[6].shape[0]:
-        down += biases[6]
-    return x + down
+    return x + _product(weights[6], tables[6], act, rows[6], biases[6])
 
 
 @njit(fastmath=True, cache=True)
