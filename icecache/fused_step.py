@@ -35,7 +35,8 @@ import torch
 from numba import njit, prange
 
 from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
-from .cache.score_kernels import dense_decode_fused
+from .cache.dense import kernel_rows
+from .cache.score_kernels import dense_decode_fused, narrow
 from .int8_rows import group_sums, grouped_tile, tile_groups
 
 NO_BIAS = np.zeros(0, np.float32)
@@ -139,8 +140,8 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
     q, k, v = llama_pre(x, norms[0], eps, weights, tables, biases, rows, cos, sin, H, Hk, d)
     for g in range(Hk):
         for j in range(d):
-            kbuf[g, n, j] = k[g * d + j]
-            vbuf[g, n, j] = v[g * d + j]
+            kbuf[g, n, j] = narrow(k[g * d + j], kbuf[g, n, j])
+            vbuf[g, n, j] = narrow(v[g * d + j], vbuf[g, n, j])
     q3 = q.reshape(Hk, H // Hk, d)
     far = q3
     if c > 0:
@@ -152,7 +153,7 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
                     for j in range(d):
                         far[i, g, j] += a * turn[m, j]
     attn = np.empty((Hk, H // Hk, d), np.float32)
-    dense_decode_fused(q3, kbuf, vbuf, n + 1, scale, np.float32(0.0), far, k0buf if c > 0 else kbuf, c, attn)
+    dense_decode_fused(q3, kbuf, vbuf, n + 1, scale, np.float32(0.0), far, k0buf, c, attn)
     return llama_post(x, attn.reshape(H * d), norms[1], eps, weights, tables, biases, rows)
 
 
@@ -207,8 +208,8 @@ class FusedLayers:
 
 
 def dense_rows(cache: Any, num_layers: int) -> list | None:
-    """The cache's layers where each is a plain dense growing layer in float32 holding the prompt
-    (no 16-bit decode copy), else None."""
+    """The cache's layers where each is a plain dense growing layer holding the prompt in float32
+    (a bfloat16 decode dtype allowed), else None."""
     from .cache.dense import GrowingLayer
 
     layers = getattr(cache, "layers", None)
@@ -216,8 +217,8 @@ def dense_rows(cache: Any, num_layers: int) -> list | None:
         return None
     for layer in layers[:num_layers]:
         if (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
-                or layer.decode_dtype is not None
-                or layer._k.dtype != torch.float32 or layer._k.shape[0] != 1):
+                or layer.decode_dtype not in (None, torch.bfloat16)
+                or layer._k.dtype not in (torch.float32, layer.decode_dtype) or layer._k.shape[0] != 1):
             return None
     return layers[:num_layers]
 
@@ -231,15 +232,15 @@ def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Ten
     no_turn = np.zeros((d, d), np.float32)
     for (_mods, norms, eps, weights, tables, biases, rows), layer in zip(fused.layers, layers, strict=True):
         n = layer._n
-        like = layer._k[:, :, :1]
-        layer._reserve(n + 1, like, layer._v[:, :, :1])
-        kbuf = layer._k[0].numpy()
+        layer.take_decode_dtype()
+        layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
+        kbuf, vbuf = kernel_rows(layer._k[0]), kernel_rows(layer._v[0])
         clamp = layer.clamp_rows(n + 1)
         if clamp is None:
-            turn, k0buf, c = no_turn, kbuf, 0
+            turn, k0buf, c = no_turn, np.zeros((kv_heads, 0, d), np.float32), 0
         else:
             turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
-        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, kbuf, layer._v[0].numpy(), n,
+        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, kbuf, vbuf, n,
                          np.float32(scale), heads, kv_heads, d, turn, k0buf, c)
         layer._n = n + 1
         layer.keys = layer._k[:, :, : layer._n]

@@ -74,7 +74,7 @@ def test_a_16_bit_decode_equals_attention_over_the_rounded_rows(T, numba_scores,
         assert (got - rounded).abs().max() < 0.5 * (exact - rounded).abs().max() + 1e-2
 
 
-def test_the_dense_kv_setting_picks_bfloat16_where_the_cpu_multiplies_it(monkeypatch):
+def test_the_dense_kv_setting_picks_bfloat16_for_a_float32_model_on_any_cpu(monkeypatch):
     from icecache.cache import dense
     from icecache.config import Settings, validate
     from icecache.errors import ProfileError
@@ -89,8 +89,8 @@ def test_the_dense_kv_setting_picks_bfloat16_where_the_cpu_multiplies_it(monkeyp
     assert dense_kv_dtype(auto, "cpu") == torch.bfloat16
     assert dense_kv_dtype(auto, "cuda") is None
     assert dense_kv_dtype(auto.replace(dtype="float16"), "cpu") is None
-    monkeypatch.setattr(dense, "native_bf16", lambda: False)
-    assert dense_kv_dtype(auto, "cpu") is None
+    monkeypatch.setattr(dense, "native_bf16", lambda: False)  # numba widens it: no CPU feature asked
+    assert dense_kv_dtype(auto, "cpu") == torch.bfloat16
     with pytest.raises(ProfileError, match="dense_kv"):
         validate(s.replace(dense_kv="int8"), "test")
 
@@ -117,3 +117,28 @@ def test_a_dense_session_decodes_from_bfloat16_close_to_float(loaded, cpu_settin
         with torch.inference_mode():
             la, lb = ref.forward([a[-1]]), half.forward([b[-1]])
         assert (la - lb).abs().max() < 0.05 * la.abs().max(), method
+
+
+def test_the_kernels_round_to_bfloat16_as_torch_does():
+    """``narrow`` (a fused layer's new rows into a bfloat16 buffer): to nearest, ties to even, as
+    torch's conversion, over values of every magnitude and exact ties; ``widen`` gives them back."""
+    import numpy as np
+    from numba import njit
+
+    from icecache.cache.score_kernels import narrow, widen
+
+    @njit
+    def both(x, out, back):
+        for i in range(x.shape[0]):
+            out[i] = narrow(x[i], out[i])
+            back[i] = widen(out[i])
+
+    rng = np.random.default_rng(0)
+    x = (rng.standard_normal(20000) * 10.0 ** rng.integers(-30, 30, 20000)).astype(np.float32)
+    ties = (np.arange(1, 2001, dtype=np.uint32) << 16 | np.uint32(0x8000)).view(np.float32)  # halfway
+    x = np.concatenate([x, ties, -ties, np.float32([0.0, -0.0, 1.0, 3.4e38])])
+    out, back = np.empty(x.shape[0], np.uint16), np.empty(x.shape[0], np.float32)
+    both(x, out, back)
+    want = torch.from_numpy(x).bfloat16()
+    assert (out == want.view(torch.int16).numpy().view(np.uint16)).all()
+    assert (back == want.float().numpy()).all()

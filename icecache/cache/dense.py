@@ -27,8 +27,7 @@ from .window import window_or
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` semantics (``keys``/``values`` are (B, H, n, d)) with in-place growth.
 
-    ``decode_dtype`` (e.g. bfloat16 for a float32 model on a CPU that multiplies bfloat16
-    natively, :func:`native_bf16`): the prompt is computed and kept in the model's dtype, and the
+    ``decode_dtype`` (bfloat16 for a float32 model on a CPU, ``dense_kv``): the prompt is computed and kept in the model's dtype, and the
     first decode step with at least ``decode_min_rows`` rows converts the layer's keys and values
     to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt
     chunk that comes after that (a second question over a cropped cache) is handed float
@@ -41,7 +40,7 @@ class GrowingLayer(DynamicLayer):
     keys stay stored at their true positions."""
 
     min_capacity = 256
-    # fewer rows stay in the model's dtype: at 1k tokens float32's products were faster
+    # fewer rows stay in the model's dtype (exact), where reading their float32 costs little
     decode_min_rows = 2048
     clamp_ahead = 256  # keys un-rotated at once for ``clamp`` (the rows after this step's first few)
 
@@ -114,15 +113,21 @@ class GrowingLayer(DynamicLayer):
             v[:, :, : self._n] = self._v[:, :, : self._n]
         self._k, self._v = k, v
 
+    def take_decode_dtype(self) -> None:
+        """Before a decode step: the layer's keys and values converted to ``decode_dtype`` once it
+        holds ``decode_min_rows`` rows (from then on its buffers keep that dtype)."""
+        if (self.decode_dtype is not None and self._n >= self.decode_min_rows
+                and self._k.dtype != self.decode_dtype):
+            self._k, self._v = self._k.to(self.decode_dtype), self._v.to(self.decode_dtype)
+
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         q = key_states.shape[2]
         if self._k is not None and key_states.shape[0] != self._k.shape[0]:
             raise ValueError("batch size changed within one cache")
-        if (q == 1 and self.decode_dtype is not None and self._n >= self.decode_min_rows
-                and self._k.dtype != self.decode_dtype):
-            self._k, self._v = self._k.to(self.decode_dtype), self._v.to(self.decode_dtype)
+        if q == 1:
+            self.take_decode_dtype()
         self._reserve(self._n + q, key_states, value_states)
         self._k[:, :, self._n : self._n + q] = key_states
         self._v[:, :, self._n : self._n + q] = value_states
@@ -203,6 +208,15 @@ def _rows_buffer(t: torch.Tensor):
     return torch.as_strided(t, (H, sh // d, d), (sh, d, 1)).numpy()
 
 
+def kernel_rows(t: torch.Tensor):
+    """:func:`_rows_buffer` as the numba kernels read it: float32 as it is, bfloat16 as its bits
+    (uint16, :func:`~.score_kernels.widen`); None for other dtypes or layouts."""
+    if t.dtype == torch.bfloat16:
+        bits = _rows_buffer(t.view(torch.int16))
+        return None if bits is None else bits.view(np.uint16)
+    return _rows_buffer(t) if t.dtype == torch.float32 else None
+
+
 HALF_VALUES_PER_HEAD = 65536  # longer caches: the value product head by head (2x faster at 131k)
 HALF_ROWS = 256  # a 16-bit decode reads rows in multiples of this (see _half_decode)
 
@@ -260,30 +274,30 @@ def dense_decode(query, key, value, scaling, clamp=None, softcap=None):
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
-    every row valid. Keys and values in 16 bits (``GrowingLayer.decode_dtype``): :func:`_half_decode`.
-    ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`). Float32 caches
-    on the CPU whose rows lie in a growing buffer: the whole step in one numba call
-    (:func:`~.score_kernels.dense_decode_fused`); the others (and the reference of that path) take
-    :func:`dense_decode_reference`'s matrix products. ``softcap`` (Gemma 2): the scaled scores
+    every row valid. ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`).
+    Caches on the CPU in float32 or bfloat16 (``GrowingLayer.decode_dtype``) whose rows lie in a
+    growing buffer, with a float32 query: the whole step in one numba call
+    (:func:`~.score_kernels.dense_decode_fused`); other 16-bit caches :func:`_half_decode`; the
+    others (and the reference of that path) :func:`dense_decode_reference`'s matrix products. ``softcap`` (Gemma 2): the scaled scores
     capped (:func:`~.chunked.soft_cap`) before the softmax."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
-    if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
-        return _half_decode(q, key[0], value[0], scaling, clamp, softcap).to(query.dtype).reshape(1, 1, Hq, d)
-    if key.device.type == "cpu" and key.dtype == torch.float32 and query.dtype == torch.float32:
-        k, v = _rows_buffer(key[0]), _rows_buffer(value[0])
+    if key.device.type == "cpu" and key.dtype in (torch.float32, torch.bfloat16) and query.dtype == torch.float32:
+        k, v = kernel_rows(key[0]), kernel_rows(value[0])
         far = None if clamp is None else (clamp[0].detach().contiguous().numpy(), _rows_buffer(clamp[1]))
         if k is not None and v is not None and (far is None or far[1] is not None):
             from .score_kernels import dense_decode_fused
 
             qn = q.detach().contiguous().numpy()
-            far_q, k0, c = (qn, k, 0) if far is None else (far[0], far[1], clamp[1].shape[1])
+            far_q, k0, c = (qn, np.zeros((H, 0, d), np.float32), 0) if far is None else (far[0], far[1], clamp[1].shape[1])
             out = torch.empty((H, Hq // H, d), dtype=torch.float32)
             dense_decode_fused(qn, k, v, T, np.float32(scaling), np.float32(softcap or 0.0), far_q, k0, c,
                                out.numpy())
             return out.reshape(1, 1, Hq, d)
+    if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
+        return _half_decode(q, key[0], value[0], scaling, clamp, softcap).to(query.dtype).reshape(1, 1, Hq, d)
     return dense_decode_reference(query, key, value, scaling, clamp, softcap)
 
 

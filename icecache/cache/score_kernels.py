@@ -10,9 +10,70 @@ The references: :func:`~.dense.dense_decode_reference` for :func:`dense_decode_f
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from llvmlite import ir
+from numba import njit, prange, types
+from numba.extending import intrinsic, overload
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+
+# -- keys and values in float32 or as bfloat16 bits -------------------------------------------------
+# A dense layer may hold its rows as bfloat16 (GrowingLayer.decode_dtype), handed to the kernels as
+# their bits (uint16): a bfloat16 is the upper half of a float32, so widening is a shift, which
+# the compiler vectorizes, and no CPU feature is needed. The kernels below take either; numba
+# compiles one version per dtype.
+
+
+@intrinsic
+def _bf16_value(typingctx, bits):
+    """uint16 bfloat16 bits -> the float32 they are the upper half of."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+@intrinsic
+def _f32_bits(typingctx, x):
+    """float32 -> its bits as uint32."""
+    if x != types.float32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        return builder.bitcast(args[0], ir.IntType(32))
+
+    return types.uint32(x), codegen
+
+
+def widen(x):
+    """A key or value element as float32 (float32: itself; uint16: bfloat16 bits)."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(widen, inline="always")
+def _widen(x):
+    if isinstance(x, types.Integer):
+        return lambda x: _bf16_value(x)
+    return lambda x: x
+
+
+def narrow(x, like):
+    """float32 ``x`` as an element of an array of ``like``'s dtype (uint16: bfloat16 bits, rounded
+    to nearest, ties to even, as torch rounds; float32: itself)."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(narrow, inline="always")
+def _narrow(x, like):
+    if isinstance(like, types.Integer):
+        def bits(x, like):
+            b = _f32_bits(np.float32(x))
+            return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
+        return bits
+    return lambda x, like: np.float32(x)
 
 # -- scores of one query group over a run of keys -------------------------------------------------
 # torch's product of a (G, d) query group with the (n, d) keys' transpose read the keys at about
@@ -34,7 +95,7 @@ def _score_rows(q, k, h, lo, hi, out):
             a2 = np.float32(0.0)
             a3 = np.float32(0.0)
             for j in range(d):
-                x = k[h, t, j]
+                x = widen(k[h, t, j])
                 a0 += q[h, g0, j] * x
                 a1 += q[h, g1, j] * x
                 a2 += q[h, g2, j] * x
@@ -144,7 +205,7 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total,
         for g in range(G):
             p = scores[h, g, t]
             for j in range(d):
-                part[h, b, g, j] += p * v[h, t, j]
+                part[h, b, g, j] += p * widen(v[h, t, j])
 
 
 @njit(fastmath=True, cache=True)
@@ -171,7 +232,8 @@ def join_blocks(top, total, part, out):
 @njit(parallel=True, fastmath=True, cache=True)
 def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
     """softmax(scores) v over rows 0..n-1, scores = ``scale * q . k`` (capped to ``cap *
-    tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous; out (H, G, d).
+    tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous, float32 or
+    bfloat16 bits (uint16, :func:`widen`); out (H, G, d).
     The first ``c`` rows score ``far_q . k0`` instead (a clamped distance,
     :meth:`~.dense.GrowingLayer.clamped`; far_q (H, G, d), k0 (H, >= c, d)). The reference is
     :func:`~.dense.dense_decode_reference`."""

@@ -22,9 +22,9 @@ def host_dtype(settings: Settings) -> str | None:
 
 def dense_kv_dtype(settings: Settings, device: Any = "cpu") -> Any:
     """The dtype dense layers hold their keys and values in while decoding (None: the model's;
-    ``settings.dense_kv``). ``auto`` takes bfloat16 for a float32 model on a CPU that multiplies
-    it natively (:func:`~.cache.dense.native_bf16`), where a dense step reads half the bytes."""
-    return _half(settings.dense_kv, settings, device)
+    ``settings.dense_kv``). ``auto`` takes bfloat16 for a float32 model on a CPU, where a dense
+    step reads half the bytes: numba's kernels widen it by a shift, so no CPU feature is needed."""
+    return _half(settings.dense_kv, settings, device, native=False)
 
 
 def prompt_half(settings: Settings, device: Any = "cpu") -> Any:
@@ -33,7 +33,9 @@ def prompt_half(settings: Settings, device: Any = "cpu") -> Any:
     return _half(settings.prompt_compute, settings, device)
 
 
-def _half(choice: str, settings: Settings, device: Any) -> Any:
+def _half(choice: str, settings: Settings, device: Any, native: bool = True) -> Any:
+    """bfloat16 or None for a setting of ``model``/``bfloat16``/``auto``; ``auto`` asks for a CPU
+    and a float32 model, and with ``native`` a CPU that multiplies bfloat16 natively."""
     import torch
 
     if choice == "model" or settings.dtype == "bfloat16":
@@ -41,7 +43,7 @@ def _half(choice: str, settings: Settings, device: Any) -> Any:
     if choice == "auto":
         from ..cache.dense import native_bf16
 
-        if torch.device(device).type != "cpu" or settings.dtype != "float32" or not native_bf16():
+        if torch.device(device).type != "cpu" or settings.dtype != "float32" or (native and not native_bf16()):
             return None
     return torch.bfloat16
 
