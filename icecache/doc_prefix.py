@@ -47,8 +47,8 @@ class DocPrefixes:
 
     def _save_prefix(self, ids: list[int], dc) -> None:
         dtype = self.loaded.model.dtype
-        if any(layer.keys is not None and layer.keys.dtype != dtype for layer in self.cache.layers):
-            return  # keys already taken to a decode dtype (dense_kv) are not the prompt's exact ones
+        if any(layer.values is not None and layer.values.dtype != dtype for layer in self.cache.layers):
+            return  # values already taken to a decode dtype (dense_kv) are not the prompt's exact ones
         if dc is self.doc_cache:  # a full prefill: every layer's keys and values (a window layer's window)
             windows = [layer.sliding_window if layer.is_sliding else 0 for layer in self.cache.layers]
             dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers], windows)

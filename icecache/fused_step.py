@@ -209,7 +209,7 @@ class FusedLayers:
 
 def dense_rows(cache: Any, num_layers: int) -> list | None:
     """The cache's layers where each is a plain dense growing layer holding the prompt in float32
-    (a bfloat16 decode dtype allowed), else None."""
+    (its decode dtypes allowed: float16 keys, bfloat16 values), else None."""
     from .cache.dense import GrowingLayer
 
     layers = getattr(cache, "layers", None)
@@ -218,7 +218,9 @@ def dense_rows(cache: Any, num_layers: int) -> list | None:
     for layer in layers[:num_layers]:
         if (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
                 or layer.decode_dtype not in (None, torch.bfloat16)
-                or layer._k.dtype not in (torch.float32, layer.decode_dtype) or layer._k.shape[0] != 1):
+                or layer._k.dtype not in (torch.float32, layer.key_dtype)
+                or layer._v.dtype not in (torch.float32, layer.decode_dtype)
+                or layer._k.shape[0] != 1):
             return None
     return layers[:num_layers]
 

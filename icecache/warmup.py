@@ -80,8 +80,9 @@ def compile_cache() -> None:
               np.full(4, S, np.int32), 0, 0, S, np.zeros(P * S, np.bool_), np.empty(8, np.int64),
               np.empty(8, np.int64), 0)
     q, k = np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.float32)
-    for rows in (k, np.zeros((2, 16, 8), np.uint16)):  # float32 and bfloat16 keys and values
-        dense_decode_fused(q, rows, rows, 16, np.float32(1), np.float32(0), q, k, 0, np.empty((2, 3, 8), np.float32))
+    for keys, values in ((k, k), (np.zeros((2, 16, 8), np.int16), np.zeros((2, 16, 8), np.uint16))):
+        # float32, and a dense layer's decode dtypes (float16 keys, bfloat16 values)
+        dense_decode_fused(q, keys, values, 16, np.float32(1), np.float32(0), q, k, 0, np.empty((2, 3, 8), np.float32))
     for brain in (False, True):  # answer_spans' votes over a float16 or bfloat16 host store
         half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
                     np.empty((2, 3, 16), np.float32))
@@ -102,10 +103,10 @@ def compile_cache() -> None:
 
     tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
     f32 = np.float32
-    for kv in (f32, np.uint16):  # float32 and bfloat16 keys and values
+    for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
         llama_layer(np.ones(64, f32), np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7,
                     (NO_BIAS,) * 7, np.full(7, 64, np.int64), np.ones(16, f32), np.zeros(16, f32),
-                    np.zeros((2, 8, 16), kv), np.zeros((2, 8, 16), kv), 0, f32(0.25), 4, 2, 16,
+                    np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd), 0, f32(0.25), 4, 2, 16,
                     np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
 
 

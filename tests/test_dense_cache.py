@@ -33,8 +33,8 @@ def test_the_fused_dense_decode_is_the_reference(G, T, half):
     """numba's whole decode step (scores, softmax in blocks of rows joined at the end, values)
     over the first T rows of larger buffers against dense_decode_reference, for every G (the
     scores take the group four queries at a time) and with one, several or a partial block of
-    rows (DECODE_ROWS); ``half``: the rows held as bfloat16 bits, against the reference over
-    the same rounded rows in float32."""
+    rows (DECODE_ROWS); ``half``: the keys as float16 bits and the values as bfloat16 bits (a
+    dense layer's decode dtypes), against the reference over the same rounded rows in float32."""
     from icecache.cache import dense
     from icecache.cache.score_kernels import DECODE_ROWS, dense_decode_fused
 
@@ -44,12 +44,12 @@ def test_the_fused_dense_decode_is_the_reference(G, T, half):
     q = torch.randn(1, H * G, 1, d)
     kb, vb = 2 * torch.randn(H, T + 77, d), torch.randn(H, T + 77, d)
     if half:
-        kb, vb = kb.bfloat16(), vb.bfloat16()
+        kb, vb = kb.half(), vb.bfloat16()
     ref = dense.dense_decode_reference(q, kb[None, :, :T].float(), vb[None, :, :T].float(), 0.2)
     out = np.full((H, G, d), np.nan, np.float32)
     qn = q[0, :, 0].reshape(H, G, d).numpy()
     k, v = dense.kernel_rows(kb), dense.kernel_rows(vb)
-    assert k.dtype == (np.uint16 if half else np.float32)
+    assert (k.dtype, v.dtype) == ((np.int16, np.uint16) if half else (np.float32, np.float32))
     dense_decode_fused(qn, k, v, T, np.float32(0.2), np.float32(0), qn, np.zeros((H, 0, d), np.float32), 0, out)
     torch.testing.assert_close(torch.from_numpy(out).reshape(1, 1, H * G, d), ref, atol=1e-5, rtol=1e-5)
 

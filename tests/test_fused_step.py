@@ -167,8 +167,8 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
     generation goes past it, every layer dense with clamped distances: the fused layers (int4's
     exact values) against the torch step of the float model with the same cache, within float
     rounding, before and after the first clamped key; the layers' rows in float32, or in
-    bfloat16 (``dense_kv``: the fused layer rounds its new rows as torch's copy into the buffer
-    does, and reads them through the same kernel)."""
+    float16 keys and bfloat16 values (``dense_kv``: the fused layer rounds its new row as torch's
+    copy into the buffer does, and reads them through the same kernel)."""
     float_model, model = exact_int4("llama")
     g = torch.Generator().manual_seed(9)
     prompt = torch.randint(0, 97, (4088,), generator=g).tolist()
@@ -181,8 +181,8 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
         cache = make_cache("ice", m, settings, total, prompt_tokens=len(prompt))
         assert cache.all_dense and cache.clamped
         outs.append(forced_logits(m, cache, prompt, forced, FastStep(m)))
-        want = torch.float32 if dense_kv == "model" else torch.bfloat16
-        assert all(layer._k.dtype == want for layer in cache.layers)
+        want = (torch.float32, torch.float32) if dense_kv == "model" else (torch.float16, torch.bfloat16)
+        assert all((layer._k.dtype, layer._v.dtype) == want for layer in cache.layers)
     assert FusedLayers.of(float_model) is None and FusedLayers.of(model) is not None
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         err = float((a - b).abs().max())

@@ -27,11 +27,16 @@ from .window import window_or
 class GrowingLayer(DynamicLayer):
     """``DynamicLayer`` semantics (``keys``/``values`` are (B, H, n, d)) with in-place growth.
 
-    ``decode_dtype`` (bfloat16 for a float32 model on a CPU, ``dense_kv``): the prompt is computed and kept in the model's dtype, and the
-    first decode step with at least ``decode_min_rows`` rows converts the layer's keys and values
-    to this dtype, which decode steps then read (:func:`dense_decode`: half the bytes). A prompt
-    chunk that comes after that (a second question over a cropped cache) is handed float
-    copies.
+    ``decode_dtype`` (bfloat16 for a float32 model on a CPU, ``dense_kv``): the prompt is computed
+    and kept in the model's dtype, and the first decode step with at least ``decode_min_rows``
+    rows converts the layer's values to this dtype and its keys to ``key_dtype`` (float16), which
+    decode steps then read (:func:`dense_decode`: half the bytes). The keys take float16's 11
+    significant bits rather than bfloat16's 8: the scores are what a rounding moves most (the
+    embedded model, three 4k summaries of 64 tokens, teacher-forced agreement with the float
+    model 182/186 with bfloat16 keys and values, 185/186 with bfloat16 values and float32 keys,
+    186/186 float). A layer whose keys reach ``key_half_max`` keeps them in its dtype (float16
+    ends at 65504). A prompt chunk that comes after that (a second question over a cropped
+    cache) is handed float copies.
 
     ``clamp`` (a :class:`~.positions.RopeFrame`; a run whose prompt fits the model's trained
     context and whose generation goes past it, ``methods.all_dense``): a decode step attends to
@@ -42,6 +47,8 @@ class GrowingLayer(DynamicLayer):
     min_capacity = 256
     # fewer rows stay in the model's dtype (exact), where reading their float32 costs little
     decode_min_rows = 2048
+    key_dtype = torch.float16
+    key_half_max = 8192.0  # larger keys stay in the model's dtype (float16's largest is 65504)
     clamp_ahead = 256  # keys un-rotated at once for ``clamp`` (the rows after this step's first few)
 
     def __init__(self, decode_dtype: torch.dtype | None = None, clamp=None):
@@ -102,23 +109,24 @@ class GrowingLayer(DynamicLayer):
             return
         new_cap = max(need + self.min_capacity, cap + cap // 8)
         B, H, _, dk = like_k.shape
-        kd = like_k.dtype if self._k is None else self._k.dtype  # (a decode dtype, once taken, stays)
-        vd = like_v.dtype if self._v is None else self._v.dtype
-        # (a 16-bit decode reads past the filled rows, so they are zeros there, not garbage)
-        alloc = torch.zeros if self.decode_dtype is not None else torch.empty
-        k = alloc((B, H, new_cap, dk), dtype=kd, device=like_k.device)
-        v = alloc((B, H, new_cap, like_v.shape[3]), dtype=vd, device=like_v.device)
+        kd = like_k.dtype if self._k is None else self._k.dtype
+        vd = like_v.dtype if self._v is None else self._v.dtype  # (a decode dtype, once taken, stays)
+        k = torch.empty((B, H, new_cap, dk), dtype=kd, device=like_k.device)
+        v = torch.empty((B, H, new_cap, like_v.shape[3]), dtype=vd, device=like_v.device)
         if self._n:
             k[:, :, : self._n] = self._k[:, :, : self._n]
             v[:, :, : self._n] = self._v[:, :, : self._n]
         self._k, self._v = k, v
 
     def take_decode_dtype(self) -> None:
-        """Before a decode step: the layer's keys and values converted to ``decode_dtype`` once it
-        holds ``decode_min_rows`` rows (from then on its buffers keep that dtype)."""
+        """Before a decode step: the layer's values converted to ``decode_dtype`` and its keys to
+        ``key_dtype`` (where they fit) once it holds ``decode_min_rows`` rows (from then on its
+        buffers keep those dtypes)."""
         if (self.decode_dtype is not None and self._n >= self.decode_min_rows
-                and self._k.dtype != self.decode_dtype):
-            self._k, self._v = self._k.to(self.decode_dtype), self._v.to(self.decode_dtype)
+                and self._v.dtype != self.decode_dtype):
+            self._v = self._v.to(self.decode_dtype)
+            if float(self._k[:, :, : self._n].abs().max()) < self.key_half_max:
+                self._k = self._k.to(self.key_dtype)
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         if not self.is_initialized:
@@ -134,7 +142,7 @@ class GrowingLayer(DynamicLayer):
         self._n += q
         self.keys = self._k[:, :, : self._n]
         self.values = self._v[:, :, : self._n]
-        if q > 1 and self._k.dtype != key_states.dtype:  # a prompt chunk attends in the model's dtype
+        if q > 1 and self._v.dtype != value_states.dtype:  # a prompt chunk attends in the model's dtype
             return self.keys.to(key_states.dtype), self.values.to(value_states.dtype)
         return self.keys, self.values
 
@@ -210,15 +218,12 @@ def _rows_buffer(t: torch.Tensor):
 
 def kernel_rows(t: torch.Tensor):
     """:func:`_rows_buffer` as the numba kernels read it: float32 as it is, bfloat16 as its bits
-    (uint16, :func:`~.score_kernels.widen`); None for other dtypes or layouts."""
-    if t.dtype == torch.bfloat16:
+    in uint16, float16 as its bits in int16 (:func:`~.score_kernels.widen`); None for other
+    dtypes or layouts."""
+    if t.dtype in (torch.bfloat16, torch.float16):
         bits = _rows_buffer(t.view(torch.int16))
-        return None if bits is None else bits.view(np.uint16)
+        return None if bits is None else bits.view(np.uint16) if t.dtype == torch.bfloat16 else bits
     return _rows_buffer(t) if t.dtype == torch.float32 else None
-
-
-HALF_VALUES_PER_HEAD = 65536  # longer caches: the value product head by head (2x faster at 131k)
-HALF_ROWS = 256  # a 16-bit decode reads rows in multiples of this (see _half_decode)
 
 
 def _clamp_scores(scores: torch.Tensor, clamp) -> None:
@@ -229,62 +234,23 @@ def _clamp_scores(scores: torch.Tensor, clamp) -> None:
         scores[:, :, : k0.shape[1]] = torch.matmul(far_q, k0.transpose(1, 2))
 
 
-def _half_decode(q, k, v, scaling, clamp=None, softcap=None):
-    """:func:`dense_decode` over 16-bit keys and values: q (H, G, d) float32; k, v (H, T, d)
-    views of a growing layer (rows contiguous per head, heads a capacity apart) -> (H, G, d).
-
-    torch's bfloat16 products (oneDNN) prepare a kernel for each new shape, so a cache one row
-    longer at every step paid that each time: 19.8 against 13.3 ms per step over 30 layers of 8k
-    rows. The products therefore run over the rows rounded up to a multiple of ``HALF_ROWS``
-    (within the buffer's capacity, whose unused rows a growing layer keeps at zero), the extra
-    rows' scores set to -inf. The scores come from numba's :func:`~.score_kernels.half_scores`
-    (bfloat16 widened by a shift, the query in float32: torch's bfloat16 scores took 52 us a head
-    at 4k in the model, slower than float32's), or, for keys it cannot read in place, from torch,
-    keys x query per head (on such views 4x faster than query x keys^T, which copies the keys).
-    Softmax in float32 (``softcap``: of the capped scores, :func:`~.chunked.soft_cap`); the value
-    product in torch's bfloat16."""
-    H, G, d = q.shape
-    T = k.shape[1]
-    sh, sr, _ = k.stride()
-    padded = min(-(-T // HALF_ROWS) * HALF_ROWS, sh // sr if sr else T)
-    if padded > T and v.stride() == k.stride():
-        k = torch.as_strided(k, (H, padded, d), k.stride())
-        v = torch.as_strided(v, (H, padded, d), v.stride())
-    bits = _rows_buffer(k[:, :T].view(torch.int16)) if k.dtype == torch.bfloat16 else None
-    if bits is not None:
-        from .score_kernels import half_scores
-
-        scores = torch.empty((H, G, k.shape[1]), dtype=torch.float32)
-        half_scores(q.detach().contiguous().numpy(), bits.view(np.uint16), T, True, scores.numpy())
-    else:
-        qh = q.to(k.dtype)
-        scores = torch.stack([torch.mm(k[h], qh[h].t()) for h in range(H)]).transpose(1, 2).float()  # (H, G, T')
-    _clamp_scores(scores, clamp)
-    soft_cap(scores.mul_(scaling), softcap)
-    if scores.shape[2] > T:
-        scores[:, :, T:] = float("-inf")
-    probs = torch.softmax(scores, dim=-1).to(v.dtype)
-    if k.shape[1] <= HALF_VALUES_PER_HEAD:
-        return torch.matmul(probs, v)
-    return torch.stack([torch.mm(probs[h], v[h]) for h in range(H)])
-
-
 def dense_decode(query, key, value, scaling, clamp=None, softcap=None):
     """One query token over a dense cache: each KV head's keys and values are read once, its
     group of query heads in one matrix product (no per-query-head expansion; SDPA's CPU kernel
     took 58 vs 37 ms per layer at 131k tokens). query (1, Hq, 1, d); key, value (1, H, T, d)
     -> (1, 1, Hq, d). Softmax in float32. The reference is :func:`icecache.cache.paged.paged_decode_reference` with
     every row valid. ``clamp``: the oldest keys at a clamped distance (:meth:`GrowingLayer.clamped`).
-    Caches on the CPU in float32 or bfloat16 (``GrowingLayer.decode_dtype``) whose rows lie in a
-    growing buffer, with a float32 query: the whole step in one numba call
-    (:func:`~.score_kernels.dense_decode_fused`); other 16-bit caches :func:`_half_decode`; the
-    others (and the reference of that path) :func:`dense_decode_reference`'s matrix products. ``softcap`` (Gemma 2): the scaled scores
+    A float32 query on the CPU, keys in float32 or float16 and values in float32 or bfloat16
+    (``GrowingLayer.decode_dtype``), rows lying in a growing buffer: the whole step in one numba
+    call (:func:`~.score_kernels.dense_decode_fused`); the others (and the reference of that
+    path) :func:`dense_decode_reference`'s matrix products. ``softcap`` (Gemma 2): the scaled scores
     capped (:func:`~.chunked.soft_cap`) before the softmax."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
     T = key.shape[2]
-    if key.device.type == "cpu" and key.dtype in (torch.float32, torch.bfloat16) and query.dtype == torch.float32:
+    if (key.device.type == "cpu" and query.dtype == torch.float32 and key.dtype in (torch.float32, torch.float16)
+            and value.dtype in (torch.float32, torch.bfloat16)):
         k, v = kernel_rows(key[0]), kernel_rows(value[0])
         far = None if clamp is None else (clamp[0].detach().contiguous().numpy(), _rows_buffer(clamp[1]))
         if k is not None and v is not None and (far is None or far[1] is not None):
@@ -296,8 +262,6 @@ def dense_decode(query, key, value, scaling, clamp=None, softcap=None):
             dense_decode_fused(qn, k, v, T, np.float32(scaling), np.float32(softcap or 0.0), far_q, k0, c,
                                out.numpy())
             return out.reshape(1, 1, Hq, d)
-    if key.dtype != query.dtype:  # keys and values held in 16 bits (GrowingLayer.decode_dtype)
-        return _half_decode(q, key[0], value[0], scaling, clamp, softcap).to(query.dtype).reshape(1, 1, Hq, d)
     return dense_decode_reference(query, key, value, scaling, clamp, softcap)
 
 
@@ -305,14 +269,15 @@ def dense_decode_reference(query, key, value, scaling, clamp=None, softcap=None)
     """:func:`dense_decode` by matrix products alone (no numba): each KV head's group of query
     heads against its keys in one product. The path of short caches and of other devices or
     dtypes, and the reference the numba scores are tested against. Same shapes as
-    :func:`dense_decode`, keys and values in the query's dtype."""
+    :func:`dense_decode`; keys and values in the query's dtype or 16 bits (keys widened to the
+    query's, the probabilities meet the values in theirs)."""
     Hq, d = query.shape[1], query.shape[3]
     H = key.shape[1]
     q = query[0, :, 0].reshape(H, Hq // H, d)
-    scores = torch.matmul(q, key[0].transpose(-1, -2)).float()  # (H, G, T)
+    scores = torch.matmul(q, key[0].transpose(-1, -2).to(q.dtype)).float()  # (H, G, T)
     _clamp_scores(scores, clamp)
     probs = torch.softmax(soft_cap(scores.mul_(scaling), softcap), dim=-1).to(value.dtype)
-    return torch.matmul(probs, value[0]).reshape(1, 1, Hq, d)
+    return torch.matmul(probs, value[0]).to(query.dtype).reshape(1, 1, Hq, d)
 
 
 def dense_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):

@@ -17,10 +17,10 @@ from numba.extending import intrinsic, overload
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 
 # -- keys and values in float32 or as bfloat16 bits -------------------------------------------------
-# A dense layer may hold its rows as bfloat16 (GrowingLayer.decode_dtype), handed to the kernels as
-# their bits (uint16): a bfloat16 is the upper half of a float32, so widening is a shift, which
-# the compiler vectorizes, and no CPU feature is needed. The kernels below take either; numba
-# compiles one version per dtype.
+# A dense layer may hold its keys as float16 and its values as bfloat16 (GrowingLayer's decode
+# dtypes), handed to the kernels as their bits (int16 and uint16): widening is a shift or two and
+# a product, which the compiler vectorizes, and no CPU feature is needed. The kernels take any
+# of these; numba compiles one version per dtype.
 
 
 @intrinsic
@@ -48,31 +48,70 @@ def _f32_bits(typingctx, x):
     return types.uint32(x), codegen
 
 
+@intrinsic
+def _f32_of_bits(typingctx, bits):
+    """The low 32 bits of an integer -> the float32 they are (numba widens unsigned arithmetic to
+    64 bits)."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth < 32:
+        return None
+
+    def codegen(context, builder, sig, args):
+        low = builder.trunc(args[0], ir.IntType(32)) if bits.bitwidth > 32 else args[0]
+        return builder.bitcast(low, ir.FloatType())
+
+    return types.float32(bits), codegen
+
+
+TWO_112 = np.float32(2.0 ** 112)  # float16 bits shifted into a float32 read as the value x 2^-112
+
+
 def widen(x):
-    """A key or value element as float32 (float32: itself; uint16: bfloat16 bits)."""
+    """A key or value element as float32: float32 itself; uint16, bfloat16 bits; int16, float16
+    bits (sign, exponent and mantissa shifted into a float32's places read as the value times
+    2^-112, so one product by 2^112 makes it exact, subnormals included)."""
     raise NotImplementedError  # numba's overload below
 
 
 @overload(widen, inline="always")
 def _widen(x):
-    if isinstance(x, types.Integer):
+    if isinstance(x, types.Integer) and not x.signed:
         return lambda x: _bf16_value(x)
+    if isinstance(x, types.Integer):
+        def half(x):
+            # sign-extended and shifted, the sign lands in bit 31 and the rest in bits 13-27
+            return _f32_of_bits((np.int32(x) << np.int32(13)) & np.int32(-0x70002000)) * TWO_112  # 0x8FFFE000
+        return half
     return lambda x: x
 
 
 def narrow(x, like):
-    """float32 ``x`` as an element of an array of ``like``'s dtype (uint16: bfloat16 bits, rounded
-    to nearest, ties to even, as torch rounds; float32: itself)."""
+    """float32 ``x`` as an element of an array of ``like``'s dtype, rounded to nearest, ties to
+    even, as torch rounds: uint16, bfloat16 bits; int16, float16 bits (past float16's largest,
+    infinity; below its smallest normal, its subnormals); float32: itself."""
     raise NotImplementedError  # numba's overload below
 
 
 @overload(narrow, inline="always")
 def _narrow(x, like):
-    if isinstance(like, types.Integer):
-        def bits(x, like):
+    if isinstance(like, types.Integer) and not like.signed:
+        def brain(x, like):
             b = _f32_bits(np.float32(x))
             return np.uint16((b + np.uint32(0x7FFF) + ((b >> np.uint32(16)) & np.uint32(1))) >> np.uint32(16))
-        return bits
+        return brain
+    if isinstance(like, types.Integer):
+        def half(x, like):
+            b = _f32_bits(np.float32(x))
+            sign = (b >> np.uint32(16)) & np.uint32(0x8000)
+            a = b & np.uint32(0x7FFFFFFF)
+            if a >= np.uint32(0x477FF000):  # 65520 and up round past float16's largest (NaN too)
+                h = np.uint32(0x7C00) if a <= np.uint32(0x7F800000) else np.uint32(0x7E00)
+            elif a < np.uint32(0x38800000):  # below 2^-14: a subnormal, in units of 2^-24
+                h = np.uint32(np.rint(abs(np.float32(x)) * np.float32(2.0 ** 24)))
+            else:
+                a += np.uint32(0xFFF) + ((a >> np.uint32(13)) & np.uint32(1))
+                h = (a - np.uint32(112 << 23)) >> np.uint32(13)
+            return np.int16(np.uint16(sign | h))
+        return half
     return lambda x, like: np.float32(x)
 
 # -- scores of one query group over a run of keys -------------------------------------------------
@@ -108,9 +147,6 @@ def _score_rows(q, k, h, lo, hi, out):
 
 HALF_BLOCK = 1024  # rows per parallel task of :func:`half_scores`
 HALF_TILE = 32  # rows converted to float32 at a time, then scored against every query
-TWO_112 = np.float32(2.0 ** 112)  # float16 bits shifted into a float32 read as the value x 2^-112
-
-
 @njit(nogil=True, fastmath=True, cache=True)
 def _half_tile(bits, h, a, m, brain, raw):
     """Rows a .. a+m-1 of head ``h`` of 16-bit floats (their bits as uint16) into ``raw`` (T, d)
@@ -233,7 +269,7 @@ def join_blocks(top, total, part, out):
 def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
     """softmax(scores) v over rows 0..n-1, scores = ``scale * q . k`` (capped to ``cap *
     tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous, float32 or
-    bfloat16 bits (uint16, :func:`widen`); out (H, G, d).
+    16-bit floats' bits (:func:`widen`); out (H, G, d).
     The first ``c`` rows score ``far_q . k0`` instead (a clamped distance,
     :meth:`~.dense.GrowingLayer.clamped`; far_q (H, G, d), k0 (H, >= c, d)). The reference is
     :func:`~.dense.dense_decode_reference`."""
