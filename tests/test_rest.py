@@ -17,12 +17,7 @@ from icecache.cache.selectors import make_selector
 from .test_ice_cache import full_cache, ice_cache, run_steps, spec, tiny_model
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact(kernel, monkeypatch):
-    """numba's call (``kernel``) and torch's ops."""
-    from icecache.cache import paged
-
-    monkeypatch.setattr(paged, "REST_KERNEL", kernel)
+def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact():
     g = torch.Generator().manual_seed(3)
     H, G, L, P, d = 2, 3, 20, 7, 8
     q, k, v = (torch.randn(H, G, d, generator=g), torch.randn(H, L, d, generator=g),

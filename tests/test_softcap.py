@@ -142,12 +142,7 @@ def paged_case(seed=13, H=2, G=3, L=30):
     return q, k, v, valid
 
 
-@pytest.mark.parametrize("kernel", [True, False])
-def test_paged_decode_caps_plain_weighted_and_rest_estimate_rows(kernel, monkeypatch):
-    """(``kernel``: the estimate rows' attention through numba's call, else torch's ops.)"""
-    from icecache.cache import paged
-
-    monkeypatch.setattr(paged, "REST_KERNEL", kernel)
+def test_paged_decode_caps_plain_weighted_and_rest_estimate_rows():
     q, k, v, valid = paged_case()
     H, G, L = q.shape[0], q.shape[1], k.shape[1]
     allowed = valid[:, None, :]

@@ -90,30 +90,13 @@ def paged_decode_rest_reference(q, k, v, valid, groups, scaling, softcap=None):
     return torch.einsum("hgl,hld->hgd", probs, values).to(q.dtype)
 
 
-REST_KERNEL = True  # the numba call on the CPU (off: torch's ops everywhere, which the tests also check)
-
-
 def paged_decode_rest(q, k, v, valid, groups, scaling, softcap=None):
     """:func:`paged_decode_rest_reference`, computed without concatenating the rows: one score
     product per group (the bias added in the same call), one softmax over the joined scores, one
-    product per group with its values (at a few hundred estimate rows per head it costs a
-    fraction of SDPA over a concatenated copy). ``softcap``: each score capped before its bias
-    (the group's score products then add the bias after the cap instead of in the call). On the
-    CPU in float32: one numba call instead (:func:`~.score_kernels.paged_rest_fused`, the groups
-    joined first)."""
+    product per group with its values (the fast path; at a few hundred estimate rows per head it
+    costs a fraction of SDPA over a concatenated copy). ``softcap``: each score capped before its
+    bias (the group's score products then add the bias after the cap instead of in the call)."""
     H, G = q.shape[0], q.shape[1]
-    if REST_KERNEL and q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32 and groups:
-        from .score_kernels import paged_rest_fused
-
-        def joined(i, dim):  # the groups' i-th tensors side by side along their rows
-            return torch.cat([g[i].float() for g in groups], dim).contiguous().numpy()
-
-        out = torch.empty_like(q)
-        paged_rest_fused(q.detach().contiguous().numpy(), k.detach().contiguous().numpy(),
-                         v.detach().contiguous().numpy(), valid.contiguous().numpy(), joined(0, 2),
-                         joined(1, 1), joined(2, 1), np.float32(scaling), np.float32(softcap or 0.0),
-                         out.numpy())
-        return out
     scores = [soft_cap(torch.bmm(q, k.transpose(1, 2)).mul_(scaling), softcap).masked_fill_(~valid[:, None, :],
                                                                                            float("-inf"))]
     for gk, _gv, gb in groups:

@@ -1,6 +1,6 @@
 """numba kernels for a decode step's queries over a dense run of keys on the CPU:
-:func:`dense_decode_fused`, the whole attention over keys and values in float32 or 16 bits (the
-dense cache's decode), and :func:`half_scores` over keys held in 16 bits (the votes over a float16 or bfloat16
+:func:`dense_decode_fused`, the whole attention over float32 keys and values (the dense cache's
+decode), and :func:`half_scores` over keys held in 16 bits (the votes over a float16 or bfloat16
 host store, ``spans``).
 
 The references: :func:`~.dense.dense_decode_reference` for :func:`dense_decode_fused`,
@@ -16,11 +16,24 @@ from numba.extending import intrinsic, overload
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 
-# -- keys and values in float32 or as 16-bit floats' bits ------------------------------------------
+# -- keys and values in float32 or as bfloat16 bits -------------------------------------------------
 # A dense layer may hold its keys as float16 and its values as bfloat16 (GrowingLayer's decode
 # dtypes), handed to the kernels as their bits (int16 and uint16): widening is a shift or two and
 # a product, which the compiler vectorizes, and no CPU feature is needed. The kernels take any
 # of these; numba compiles one version per dtype.
+
+
+@intrinsic
+def _bf16_value(typingctx, bits):
+    """uint16 bfloat16 bits -> the float32 they are the upper half of."""
+    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
+        return None
+
+    def codegen(context, builder, sig, args):
+        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+        return builder.bitcast(wide, ir.FloatType())
+
+    return types.float32(bits), codegen
 
 
 @intrinsic
@@ -62,7 +75,7 @@ def widen(x):
 @overload(widen, inline="always")
 def _widen(x):
     if isinstance(x, types.Integer) and not x.signed:
-        return lambda x: _f32_of_bits(np.uint32(x) << np.uint32(16))  # a float32's upper half
+        return lambda x: _bf16_value(x)
     if isinstance(x, types.Integer):
         def half(x):
             # sign-extended and shifted, the sign lands in bit 31 and the rest in bits 13-27
@@ -269,69 +282,3 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
     for task in prange(H * blocks):
         decode_block(q, k, v, n, scale, cap, far_q, k0, c, task // blocks, task % blocks, scores, top, total, part)
     join_blocks(top, total, part, out)
-
-
-# -- a paged decode step with estimate rows, in one call --------------------------------------------
-# ice's attention over its resident rows and the estimate rows of the pages it did not load
-# (``paged.paged_decode_rest``) as torch's ops cost about 0.3-0.9 ms a layer on a 2-core CPU for a
-# few hundred rows a head, most of it the ops' fixed costs.
-
-
-@njit(fastmath=True, cache=True)
-def paged_rest_fused(q, k, v, valid, gk, gv, gb, scale, cap, out):
-    """softmax over a query group's scores with the resident rows ``k``/``v`` (H, L, d), those
-    with ``valid`` (H, L) False left out, and the estimate rows ``gk`` (H, d, P) (keys
-    transposed), ``gv`` (H, P, d) with ``gb`` (H, P) added to their scores (-inf: none), of the
-    values: q (H, G, d) float32 -> out (H, G, d). A score is ``scale * q . k``, capped to ``cap *
-    tanh(s / cap)`` where ``cap`` > 0 before any bias. The reference is
-    :func:`~.paged.paged_decode_rest_reference`."""
-    H, G, d = q.shape
-    L, P = k.shape[1], gk.shape[2]
-    s = np.empty(L + P, np.float32)
-    for h in range(H):
-        for g in range(G):
-            m = -np.inf
-            for t in range(L):
-                if valid[h, t]:
-                    a = np.float32(0.0)
-                    for j in range(d):
-                        a += q[h, g, j] * k[h, t, j]
-                    a *= scale
-                    if cap > 0:
-                        a = np.tanh(a / cap) * cap
-                    s[t] = a
-                    m = max(m, a)
-                else:
-                    s[t] = -np.inf
-            for p in range(P):
-                s[L + p] = 0.0
-            for j in range(d):
-                x = q[h, g, j]
-                for p in range(P):
-                    s[L + p] += x * gk[h, j, p]
-            for p in range(P):
-                a = s[L + p] * scale
-                if cap > 0:
-                    a = np.tanh(a / cap) * cap
-                a += gb[h, p]
-                s[L + p] = a
-                m = max(m, a)
-            total = np.float32(0.0)
-            for t in range(L + P):
-                e = np.exp(s[t] - m) if s[t] > -np.inf else np.float32(0.0)
-                s[t] = e
-                total += e
-            for j in range(d):
-                out[h, g, j] = 0.0
-            for t in range(L):
-                w = s[t]
-                if w > 0:
-                    for j in range(d):
-                        out[h, g, j] += w * v[h, t, j]
-            for p in range(P):
-                w = s[L + p]
-                if w > 0:
-                    for j in range(d):
-                        out[h, g, j] += w * gv[h, p, j]
-            for j in range(d):
-                out[h, g, j] /= total
