@@ -1,6 +1,6 @@
 """numba kernels for a decode step's queries over a dense run of keys on the CPU:
-:func:`dense_decode_fused`, the whole attention over float32 keys and values (the dense cache's
-decode), and :func:`half_scores` over keys held in 16 bits (the votes over a float16 or bfloat16
+:func:`dense_decode_fused`, the whole attention over keys and values in float32 or 16 bits (the
+dense cache's decode), and :func:`half_scores` over keys held in 16 bits (the votes over a float16 or bfloat16
 host store, ``spans``).
 
 The references: :func:`~.dense.dense_decode_reference` for :func:`dense_decode_fused`,
@@ -16,24 +16,11 @@ from numba.extending import intrinsic, overload
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 
-# -- keys and values in float32 or as bfloat16 bits -------------------------------------------------
+# -- keys and values in float32 or as 16-bit floats' bits ------------------------------------------
 # A dense layer may hold its keys as float16 and its values as bfloat16 (GrowingLayer's decode
 # dtypes), handed to the kernels as their bits (int16 and uint16): widening is a shift or two and
 # a product, which the compiler vectorizes, and no CPU feature is needed. The kernels take any
 # of these; numba compiles one version per dtype.
-
-
-@intrinsic
-def _bf16_value(typingctx, bits):
-    """uint16 bfloat16 bits -> the float32 they are the upper half of."""
-    if not isinstance(bits, types.Integer) or bits.bitwidth != 16:
-        return None
-
-    def codegen(context, builder, sig, args):
-        wide = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
-        return builder.bitcast(wide, ir.FloatType())
-
-    return types.float32(bits), codegen
 
 
 @intrinsic
@@ -75,7 +62,7 @@ def widen(x):
 @overload(widen, inline="always")
 def _widen(x):
     if isinstance(x, types.Integer) and not x.signed:
-        return lambda x: _bf16_value(x)
+        return lambda x: _f32_of_bits(np.uint32(x) << np.uint32(16))  # a float32's upper half
     if isinstance(x, types.Integer):
         def half(x):
             # sign-extended and shifted, the sign lands in bit 31 and the rest in bits 13-27
