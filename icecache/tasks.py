@@ -125,7 +125,7 @@ class Runner:
                 half = (dense_kv_dtype(plan, self.loaded.model.device) is not None
                         and total > GrowingLayer.decode_min_rows)  # (shorter runs keep float keys)
                 exact = "" if half or clamp is not None else "exact: "
-                extra = "; bfloat16 keys and values" if half else ""
+                extra = "; float16 keys, bfloat16 values" if half else ""
                 if clamp is not None:
                     extra += f"; distances past {clamp.trained} clamped to {clamp.trained - 1}"
                 dense = (f", every layer dense ({exact}the run fits dense_until, {plan.dense_until} tokens"

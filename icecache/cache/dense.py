@@ -192,9 +192,8 @@ class DenseCache(Cache):
 
 def native_bf16() -> bool:
     """Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX-BF16; read from Linux's
-    /proc/cpuinfo, False elsewhere). There a decode step of the embedded model over 8k dense
-    tokens took 21.1-21.4 against 25.6-26.3 ms with bfloat16 keys and values, and bfloat16 products ran
-    3-4x float32's (docs/results.md, "Decode speed")."""
+    /proc/cpuinfo, False elsewhere): there ``prompt_compute: auto`` takes bfloat16 products (an 8k
+    prompt 1.99x faster, docs/results.md, "Prefill")."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
