@@ -9,8 +9,8 @@ model's own angles) and :func:`llama_post` (the output product, the residual, th
 norm, the SiLU MLP); between them the cache's own ``update`` and the method's own attention
 function, so every method runs through it (:func:`run_split`). Where every cache layer is a
 plain dense growing layer (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and
-``ice`` while it keeps every layer dense, distances past the trained context clamped or not, no
-16-bit decode copy), the whole layer is one call (:func:`llama_layer`, :func:`run_layers`): the
+``ice`` while it keeps every layer dense, distances past the trained context clamped or not, its
+rows in float32 or in its 16-bit decode dtypes), the whole layer is one call (:func:`llama_layer`, :func:`run_layers`): the
 new key and value go into the layer's buffer and attention over its rows runs in numba too
 (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 

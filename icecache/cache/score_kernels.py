@@ -134,23 +134,16 @@ def _score_rows(q, k, h, lo, hi, out):
 
 HALF_BLOCK = 1024  # rows per parallel task of :func:`half_scores`
 HALF_TILE = 32  # rows converted to float32 at a time, then scored against every query
+
+
 @njit(nogil=True, fastmath=True, cache=True)
-def _half_tile(bits, h, a, m, brain, raw):
-    """Rows a .. a+m-1 of head ``h`` of 16-bit floats (their bits as uint16) into ``raw`` (T, d)
-    as float32 bits: bfloat16 is a float32's upper half; a float16's sign, exponent and mantissa
-    shifted into place read as a float32 2^112 times too small (exact for normal values; the
-    caller scales the queries instead; float16 subnormals, below 6.1e-5, may read as 0 where
-    the CPU flushes float32 subnormals)."""
-    d = raw.shape[1]
-    if brain:
-        for i in range(m):
-            for j in range(d):
-                raw[i, j] = np.uint32(bits[h, a + i, j]) << np.uint32(16)
-    else:
-        for i in range(m):
-            for j in range(d):
-                b = np.uint32(bits[h, a + i, j])
-                raw[i, j] = ((b & np.uint32(0x8000)) << np.uint32(16)) | ((b & np.uint32(0x7FFF)) << np.uint32(13))
+def _half_tile(bits, h, a, m, rows):
+    """Rows a .. a+m-1 of head ``h`` of 16-bit floats' bits (:func:`widen`: uint16 bfloat16,
+    int16 float16) into ``rows`` (T, d) float32."""
+    d = rows.shape[1]
+    for i in range(m):
+        for j in range(d):
+            rows[i, j] = widen(bits[h, a + i, j])
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -164,24 +157,22 @@ def half_scores(q, bits, n, brain, out):
     H, G, d = q.shape
     T = HALF_TILE
     nb = (n + HALF_BLOCK - 1) // HALF_BLOCK
-    scale = np.float32(1.0) if brain else TWO_112
+    halves = bits.view(np.int16)  # float16's bits as widen reads them
     for b in prange(nb * H):
         h, lo = b // nb, (b % nb) * HALF_BLOCK
         hi = min(n, lo + HALF_BLOCK)
-        raw = np.empty((T, d), np.uint32)
-        rows = raw.reshape(T * d).view(np.float32).reshape((T, d))
-        qs = np.empty((G, d), np.float32)
-        for g in range(G):
-            for j in range(d):
-                qs[g, j] = q[h, g, j] * scale
+        rows = np.empty((T, d), np.float32)
         for a in range(lo, hi, T):
             m = min(T, hi - a)
-            _half_tile(bits, h, a, m, brain, raw)
+            if brain:
+                _half_tile(bits, h, a, m, rows)
+            else:
+                _half_tile(halves, h, a, m, rows)
             for g in range(G):
                 for i in range(m):
                     acc = np.float32(0.0)
                     for j in range(d):
-                        acc += rows[i, j] * qs[g, j]
+                        acc += rows[i, j] * q[h, g, j]
                     out[h, g, a + i] = acc
 
 
