@@ -10,8 +10,10 @@ norm, the SiLU MLP); between them the cache's own ``update`` and the method's ow
 function, so every method runs through it (:func:`run_split`). Where every cache layer is a
 plain dense growing layer (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and
 ``ice`` while it keeps every layer dense, distances past the trained context clamped or not, its
-rows in float32 or in its 16-bit decode dtypes), the whole layer is one call (:func:`llama_layer`, :func:`run_layers`): the
-new key and value go into the layer's buffer and attention over its rows runs in numba too
+rows in float32 or in its 16-bit decode dtypes), the whole layer is one call (:func:`llama_layer`,
+:func:`run_layers`), and every layer of the step one call where none clamps its distances
+(:func:`llama_layers`): the new key and value go into the layer's buffer and attention over its
+rows runs in numba too
 (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
 The products run from each layer's weights held as bytes with a step and a minimum per group of
@@ -157,6 +159,21 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
     return llama_post(x, attn.reshape(H * d), norms[1], eps, weights, tables, biases, rows)
 
 
+@njit(fastmath=True, cache=True)
+def llama_layers(x, params, kbufs, vbufs, ns, cos, sin, scale, H, Hk, d):
+    """Every layer of a step through :func:`llama_layer`, none of them clamped, in one call:
+    ``params`` (a typed list) holds each layer's ``(norms, eps, weights, tables, biases, rows)``,
+    ``kbufs``/``vbufs`` (typed lists) its row buffers and ``ns`` its rows before the step. One
+    call instead of one a layer: each call unboxes some twenty-five arrays and its tuples."""
+    no_turn = np.zeros((d, d), np.float32)
+    no_k0 = np.zeros((Hk, 0, d), np.float32)
+    for i in range(len(params)):
+        norms, eps, weights, tables, biases, rows = params[i]
+        x = llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbufs[i], vbufs[i], ns[i],
+                        scale, H, Hk, d, no_turn, no_k0, 0)
+    return x
+
+
 def _bytes_of(mod: Any) -> tuple[np.ndarray, np.ndarray] | None:
     """A linear layer's weights as (tiles, tables) of grouped bytes, or None where it has none
     exactly: a GGUF layer's own, an exact int4 layer's values (made here)."""
@@ -176,6 +193,16 @@ class FusedLayers:
 
     def __init__(self, layers: list[tuple]):
         self.layers = layers
+        self._typed: Any = None  # the layers' weights as one typed list (:meth:`typed`), made once
+
+    def typed(self):
+        """The layers' weights as the typed list :func:`llama_layers` takes (made at the first
+        call), or None where the layers' types differ (a typed list holds one type)."""
+        if self._typed is None:
+            entries = [(norms, eps, weights, tables, biases, rows)
+                       for _mods, norms, eps, weights, tables, biases, rows in self.layers]
+            self._typed = _typed_list(entries) or False
+        return self._typed or None
 
     @staticmethod
     def of(model: Any) -> FusedLayers | None:
@@ -225,26 +252,70 @@ def dense_rows(cache: Any, num_layers: int) -> list | None:
     return layers[:num_layers]
 
 
+def _typed_list(items: list):
+    """``items`` as a numba typed list, or None where they are not all of one numba type."""
+    from numba import typeof
+    from numba.typed import List
+
+    if not items or any(typeof(it) != typeof(items[0]) for it in items[1:]):
+        return None
+    out = List()
+    for it in items:
+        out.append(it)
+    return out
+
+
+def _row_lists(layers: list):
+    """The layers' key and value buffers as :func:`~icecache.cache.dense.kernel_rows` arrays in
+    two typed lists, kept on the first layer while no buffer changes (a buffer grows every
+    ``min_capacity`` rows or more; making the lists takes about a millisecond), or None where
+    the layers' buffers differ in dtype."""
+    keep = getattr(layers[0], "_fused_rows", None)
+    if (keep is not None and len(keep[0]) == len(layers)
+            and all(k is layer._k and v is layer._v for k, v, layer in zip(keep[0], keep[1], layers, strict=True))):
+        return keep[2]
+    lists = None
+    bufs = [(kernel_rows(layer._k[0]), kernel_rows(layer._v[0])) for layer in layers]
+    if all(k is not None and v is not None for k, v in bufs):
+        ks, vs = _typed_list([k for k, _ in bufs]), _typed_list([v for _, v in bufs])
+        lists = None if ks is None or vs is None else (ks, vs)
+    layers[0]._fused_rows = ([layer._k for layer in layers], [layer._v for layer in layers], lists)
+    return lists
+
+
 def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                heads: int, kv_heads: int, d: int, scale: float) -> torch.Tensor:
     """Every decoder layer of one step through :func:`llama_layer`, each cache layer grown by
-    the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,)."""
+    the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,). Where no layer
+    clamps its distances and the layers' weights and buffers each share one type, one call
+    (:func:`llama_layers`); otherwise a call a layer."""
     xn = x.detach().contiguous().numpy()
     cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
-    no_turn = np.zeros((d, d), np.float32)
-    for (_mods, norms, eps, weights, tables, biases, rows), layer in zip(fused.layers, layers, strict=True):
+    clamps = []
+    for layer in layers:
         n = layer._n
         layer.take_decode_dtype()
-        layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
-        kbuf, vbuf = kernel_rows(layer._k[0]), kernel_rows(layer._v[0])
-        clamp = layer.clamp_rows(n + 1)
-        if clamp is None:
-            turn, k0buf, c = no_turn, np.zeros((kv_heads, 0, d), np.float32), 0
-        else:
-            turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
-        xn = llama_layer(xn, norms, eps, weights, tables, biases, rows, cn, sn, kbuf, vbuf, n,
-                         np.float32(scale), heads, kv_heads, d, turn, k0buf, c)
-        layer._n = n + 1
+        if n + 1 > layer._k.shape[2]:
+            layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
+        clamps.append(layer.clamp_rows(n + 1))
+    params = fused.typed() if all(c is None for c in clamps) else None
+    rows = _row_lists(layers) if params is not None else None
+    if rows is not None:
+        ns = np.array([layer._n for layer in layers], np.int64)
+        xn = llama_layers(xn, params, rows[0], rows[1], ns, cn, sn, np.float32(scale), heads, kv_heads, d)
+    else:
+        no_turn = np.zeros((d, d), np.float32)
+        for (_mods, norms, eps, weights, tables, biases, wrows), layer, clamp in zip(fused.layers, layers, clamps,
+                                                                                    strict=True):
+            kbuf, vbuf = kernel_rows(layer._k[0]), kernel_rows(layer._v[0])
+            if clamp is None:
+                turn, k0buf, c = no_turn, np.zeros((kv_heads, 0, d), np.float32), 0
+            else:
+                turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
+            xn = llama_layer(xn, norms, eps, weights, tables, biases, wrows, cn, sn, kbuf, vbuf, layer._n,
+                             np.float32(scale), heads, kv_heads, d, turn, k0buf, c)
+    for layer in layers:
+        layer._n += 1
         layer.keys = layer._k[:, :, : layer._n]
         layer.values = layer._v[:, :, : layer._n]
     return torch.from_numpy(xn)

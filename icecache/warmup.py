@@ -71,7 +71,7 @@ def compile_cache() -> None:
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
     head's int8 product, a GGUF layer's grouped bytes and the fused decoder layer."""
     from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
-    from .cache.score_kernels import dense_decode_fused, half_scores
+    from .cache.score_kernels import dense_decode_fused, half_scores, paged_decode_fused
 
     S, P = 4, 2
     members = np.arange(16, dtype=np.int32).reshape(4, S)
@@ -83,6 +83,7 @@ def compile_cache() -> None:
     for keys, values in ((k, k), (np.zeros((2, 16, 8), np.int16), np.zeros((2, 16, 8), np.uint16))):
         # float32, and a dense layer's decode dtypes (float16 keys, bfloat16 values)
         dense_decode_fused(q, keys, values, 16, np.float32(1), np.float32(0), q, k, 0, np.empty((2, 3, 8), np.float32))
+    paged_decode_fused(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0), np.empty((2, 3, 8), np.float32))
     for brain in (False, True):  # answer_spans' votes over a float16 or bfloat16 host store
         half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
                     np.empty((2, 3, 16), np.float32))
@@ -99,15 +100,17 @@ def compile_cache() -> None:
                     np.empty(1, np.float32), np.empty(1, np.float32))
     grouped_product(np.zeros((1, 32, 64), np.uint8), np.zeros((1, 1, 2, 64), np.float32),
                     np.zeros(32, np.float32), np.empty(1, np.float32))
-    from .fused_step import NO_BIAS, llama_layer  # a whole decoder layer of a dense decode step
+    from .fused_step import NO_BIAS, _typed_list, llama_layer, llama_layers  # a dense decode step's layers
 
     tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
     f32 = np.float32
+    layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7, np.full(7, 64, np.int64))
     for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
-        llama_layer(np.ones(64, f32), np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7,
-                    (NO_BIAS,) * 7, np.full(7, 64, np.int64), np.ones(16, f32), np.zeros(16, f32),
-                    np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd), 0, f32(0.25), 4, 2, 16,
-                    np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
+        kbuf, vbuf = np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd)
+        llama_layer(np.ones(64, f32), *layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, f32(0.25),
+                    4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
+        llama_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]),
+                     np.zeros(1, np.int64), np.ones(16, f32), np.zeros(16, f32), f32(0.25), 4, 2, 16)
 
 
 def convert_embedded() -> None:

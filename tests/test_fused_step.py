@@ -8,7 +8,7 @@ import copy
 import pytest
 import torch
 
-from icecache import fast_step
+from icecache import fast_step, fused_step
 from icecache import weights as W
 from icecache.fast_step import FastStep
 from icecache.fused_step import FusedLayers, unfused
@@ -62,15 +62,24 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
 
     ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
     prepare_model(method, model, settings, total)
-    calls = []
+    calls, whole = [], []
     name = "run_split" if method == "full" else "run_layers"
     real = getattr(fast_step, name)
     monkeypatch.setattr(fast_step, name, lambda *a: calls.append(1) or real(*a))
-    got = forced_logits(model, make_cache(method, model, settings, total), prompt, forced, FastStep(model))
+    one_call = fused_step.llama_layers
+    monkeypatch.setattr(fused_step, "llama_layers", lambda *a: whole.append(1) or one_call(*a))
+    cache = make_cache(method, model, settings, total)
+    got = forced_logits(model, cache, prompt, forced, FastStep(model))
     assert len(calls) == len(forced)  # every step fused
+    assert len(whole) == (0 if method == "full" else len(forced))  # dense: every layer in one call
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         err = float((a - b).abs().max())
         assert err <= 1e-5 * float(a.abs().max()), f"{arch} {method} step {i}: {err:.2e}"
+    if method != "full":  # a fork of the cache (a second question) copies it without the step's buffer lists
+        assert hasattr(cache.layers[0], "_fused_rows")
+        twin = copy.deepcopy(cache)
+        assert all(not hasattr(layer, "_fused_rows") for layer in twin.layers)
+        assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, twin.layers, strict=True))
 
 
 def test_every_method_runs_the_split_layers_as_the_torch_step(monkeypatch):
@@ -175,7 +184,9 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
     forced = torch.randint(0, 97, (24,), generator=g).tolist()
     settings = small_settings(dense_until=8192, chunk_size=512, dense_kv=dense_kv)
     total = len(prompt) + len(forced) + 1
-    outs = []
+    outs, whole = [], []
+    one_call = fused_step.llama_layers
+    monkeypatch.setattr(fused_step, "llama_layers", lambda *a: whole.append(1) or one_call(*a))
     for m in (float_model, model):
         prepare_model("ice", m, settings, total)
         cache = make_cache("ice", m, settings, total, prompt_tokens=len(prompt))
@@ -184,6 +195,8 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
         want = (torch.float32, torch.float32) if dense_kv == "model" else (torch.float16, torch.bfloat16)
         assert all((layer._k.dtype, layer._v.dtype) == want for layer in cache.layers)
     assert FusedLayers.of(float_model) is None and FusedLayers.of(model) is not None
+    # the steps within the trained context in one call, the clamped ones a call a layer
+    assert len(whole) == 4096 - len(prompt)
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         err = float((a - b).abs().max())
         assert err <= 1e-5 * float(a.abs().max()), f"step {i}: {err:.2e}"  # (about 3e-7 here)

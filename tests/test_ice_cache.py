@@ -286,6 +286,34 @@ def test_paged_decode_sdpa_matches_reference():
                                paged_decode_sdpa(q, k, v, valid, 0.25), atol=1e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("G", [1, 3, 4])
+@pytest.mark.parametrize("cap", [0.0, 1.5])
+def test_paged_decode_kernel_matches_the_reference(G, cap):
+    """The numba decode over resident rows (the CPU's float32 path of paged_decode_sdpa) against
+    the plain reference: rows over several of its blocks, a whole block masked out, a head with
+    a single valid row, capped scores; SDPA (torch's) agrees too where nothing is capped."""
+    from icecache.cache.score_kernels import DECODE_ROWS, paged_decode_fused
+
+    g = torch.Generator().manual_seed(G)
+    L = 2 * DECODE_ROWS + 100
+    q, k, v = (torch.randn(3, G, 64, generator=g) * 2, torch.randn(3, L, 64, generator=g) * 2,
+               torch.randn(3, L, 64, generator=g))
+    valid = torch.rand(3, L, generator=g) > 0.3
+    valid[0, :DECODE_ROWS] = False  # a block with no row
+    valid[1] = False
+    valid[1, L - 1] = True  # one row only
+    want = paged_decode_reference(q, k, v, valid, 0.125, cap or None)
+    out = torch.empty(3, G, 64)
+    paged_decode_fused(q.numpy(), k.numpy(), v.numpy(), valid.numpy(), np.float32(0.125), np.float32(cap), out.numpy())
+    torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
+    torch.testing.assert_close(out[1], v[1, L - 1].expand(G, 64))
+    torch.testing.assert_close(paged_decode_sdpa(q, k, v, valid, 0.125, cap or None), out)
+    if not cap:
+        sdpa = torch.nn.functional.scaled_dot_product_attention(
+            q[:, None], k[:, None], v[:, None], attn_mask=valid[:, None, None, :], scale=0.125)[:, 0]
+        torch.testing.assert_close(sdpa, out, atol=2e-5, rtol=1e-4)
+
+
 def test_make_cache_for_methods(cpu_settings, loaded):
     cache = make_cache("ice", loaded.model, cpu_settings)
     assert isinstance(cache, IceCache) and len(cache.ice_layers()) == 28

@@ -103,6 +103,13 @@ class GrowingLayer(DynamicLayer):
         turn = frame.rotation_matrix(rows - 1, frame.trained - 1, d, str(self._k0.device))
         return self._k0[:, :c], turn
 
+    def __getstate__(self):
+        """A copy (a forked cache) leaves out the fused step's lists of this layer's buffers
+        (``_fused_rows``, :func:`~icecache.fused_step.run_layers`; remade at the next step)."""
+        state = self.__dict__.copy()
+        state.pop("_fused_rows", None)
+        return state
+
     def _reserve(self, need: int, like_k: torch.Tensor, like_v: torch.Tensor) -> None:
         cap = 0 if self._k is None else self._k.shape[2]
         if need <= cap:

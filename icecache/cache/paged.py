@@ -31,8 +31,17 @@ def paged_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, va
 
 
 def paged_decode_sdpa(q, k, v, valid, scaling, softcap=None):
-    """The same as :func:`paged_decode_reference` through torch's fused SDPA (the fast path);
-    capped scores by the reference (one query per head: a few products over the resident rows)."""
+    """The same as :func:`paged_decode_reference`, the fast path: on the CPU in float32 one numba
+    call (:func:`~.score_kernels.paged_decode_fused`, capped scores too), elsewhere torch's fused
+    SDPA; capped scores off the CPU by the reference (one query per head: a few products over
+    the resident rows)."""
+    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32:
+        from .score_kernels import paged_decode_fused
+
+        out = torch.empty(q.shape, dtype=torch.float32)
+        paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
+                           valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy())
+        return out
     if softcap:
         return paged_decode_reference(q, k, v, valid, scaling, softcap)
     out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
