@@ -164,7 +164,9 @@ def llama_layers(x, params, kbufs, vbufs, ns, cos, sin, scale, H, Hk, d):
     """Every layer of a step through :func:`llama_layer`, none of them clamped, in one call:
     ``params`` (a typed list) holds each layer's ``(norms, eps, weights, tables, biases, rows)``,
     ``kbufs``/``vbufs`` (typed lists) its row buffers and ``ns`` its rows before the step. One
-    call instead of one a layer: each call unboxes some twenty-five arrays and its tuples."""
+    call instead of one a layer (each call unboxes some twenty-five arrays and its tuples): the
+    embedded model's 1k step 27.9 against 31.6 ms on a 2-core AVX2 machine (medians of 16
+    alternated blocks of 16 steps)."""
     no_turn = np.zeros((d, d), np.float32)
     no_k0 = np.zeros((Hk, 0, d), np.float32)
     for i in range(len(params)):

@@ -263,10 +263,10 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
 
 
 # -- an ice layer's decode attention over its resident rows -------------------------------------
-# torch's SDPA with a boolean mask over an ice layer's few hundred resident rows (sink, pool,
-# window; 3 KV heads of 3 queries, d = 64) took about 0.2 ms a layer on a 2-core AVX2 machine,
-# a fixed cost of the call rather than its arithmetic. The same blocks as the dense decode, with
-# the rows the mask leaves out weighing nothing.
+# torch's SDPA with a boolean mask over an ice layer's resident rows (sink, pool, window; 3 KV
+# heads of 3 queries, d = 64) took 0.20 / 0.30 ms a layer at 336 / 600 rows on a 2-core AVX2
+# machine, where this kernel with its wrapper takes 0.16 / 0.23 (28 layers' rows in turn, medians
+# of 20). The same blocks as the dense decode, the rows the mask leaves out weighing nothing.
 
 EMPTY = np.float32(-3.0e38)  # a block's maximum when the mask leaves it no row (its weight: 0)
 
