@@ -21,7 +21,9 @@ STAMP = $(VENV)/.icecache-installed
 # the kernels compiled by the warm-up: again whenever a kernel file changes (numba's cache folder
 # follows their sources, icecache/numba_cache.py)
 WARM = $(VENV)/.icecache-warm
-KERNELS = icecache/numba_cache.py icecache/cache/kernels.py icecache/cache/score_kernels.py $(wildcard icecache/index/kernels/*.py)
+# (every file of icecache/numba_cache.py's KERNEL_FILES; tests/test_numba_cache.py checks the list)
+KERNELS = icecache/numba_cache.py icecache/cache/kernels.py icecache/cache/score_kernels.py icecache/fused_step.py \
+	icecache/int8_rows.py $(wildcard icecache/index/kernels/*.py)
 
 .PHONY: setup demo test test-slow lint bench clean-venv
 

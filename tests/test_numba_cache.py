@@ -46,3 +46,17 @@ def test_numba_uses_the_folder_unless_told_otherwise(tmp_path):
     env["NUMBA_CACHE_DIR"] = str(tmp_path / "mine")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, check=True)
     assert out.stdout.strip() == str(tmp_path / "mine")
+
+
+def test_the_makefile_warms_up_again_when_any_kernel_file_changes():
+    """`make`'s warm-up stamp depends on every kernel file (a stale stamp let two test workers
+    compile the same kernels at once)."""
+    import re
+
+    text = (numba_cache.PACKAGE.parent / "Makefile").read_text()
+    block = re.search(r"^KERNELS = (.*?)(?<!\\)\n", text, re.S | re.M).group(1)
+    named = block.split()
+    for name in numba_cache.KERNEL_FILES:
+        path = f"icecache/{name}"
+        globbed = f"{path.rsplit('/', 1)[0]}/*.py)"  # the tail of a $(wildcard ...)
+        assert path in named or globbed in named, name
