@@ -200,3 +200,34 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
     for i, (a, b) in enumerate(zip(*outs, strict=True)):
         err = float((a - b).abs().max())
         assert err <= 1e-5 * float(a.abs().max()), f"step {i}: {err:.2e}"  # (about 3e-7 here)
+
+
+def test_the_row_lists_follow_the_layers_buffers():
+    """``_row_lists``: the same lists while no buffer changes, new ones when a buffer grows or
+    takes its 16-bit dtype, none where the layers' buffers differ in dtype (a layer whose keys
+    float16 cannot hold keeps float32 keys): the one call then gives way to a call a layer."""
+    from icecache.cache.dense import GrowingLayer
+    from icecache.fused_step import _row_lists
+
+    def layer(scale):
+        g = GrowingLayer(torch.bfloat16)
+        g.decode_min_rows = 1
+        g.update(torch.randn(1, 2, 30, 8) * scale, torch.randn(1, 2, 30, 8))
+        return g
+
+    layers = [layer(1.0), layer(1.0)]
+    first = _row_lists(layers)
+    assert first is not None and len(first[0]) == 2 and first[0][0].dtype.name == "float32"
+    assert _row_lists(layers) is first
+    for g in layers:  # a decode step: 16-bit rows
+        g.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    half = _row_lists(layers)
+    assert half is not first and half[0][0].dtype.name == "int16" and half[1][0].dtype.name == "uint16"
+    layers[0]._reserve(layers[0]._k.shape[2] + 1, layers[0]._k, layers[0]._v)  # a buffer grows
+    grown = _row_lists(layers)
+    assert grown is not half and grown[0][0].shape[1] == layers[0]._k.shape[2]
+    mixed = [layer(1.0), layer(1e4)]
+    for g in mixed:
+        g.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
+    assert (mixed[0]._k.dtype, mixed[1]._k.dtype) == (torch.float16, torch.float32)
+    assert _row_lists(mixed) is None
