@@ -188,10 +188,28 @@ def half_scores(q, bits, n, brain, out):
 DECODE_ROWS = 512  # rows per parallel task of :func:`dense_decode_fused`
 
 
+def kept(valid, h, t):
+    """Whether row ``t`` of head ``h`` counts: ``valid[h, t]``; every row where ``valid`` is None
+    (numba compiles that case to a constant, so an unmasked block's loops stay as they were)."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(kept, inline="always")
+def _kept(valid, h, t):
+    if isinstance(valid, types.NoneType):
+        return lambda valid, h, t: True
+    return lambda valid, h, t: valid[h, t]
+
+
+EMPTY = np.float32(-3.0e38)  # a block's maximum when the mask leaves it no row (its weight: 0)
+
+
 @njit(fastmath=True, cache=True)
-def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total, part):
+def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total, part, valid=None):
     """Block ``b`` of head ``h`` in :func:`dense_decode_fused` (one task; a caller's own parallel
-    loop can run it): its scores, their maximum and sum of exponentials, its weighted values."""
+    loop can run it): its scores, their maximum and sum of exponentials, its weighted values.
+    ``valid`` (H, >= n) bool: the rows it leaves out weigh nothing (an empty block: maximum
+    :data:`EMPTY`, sum 0; :func:`paged_decode_fused`); None: every row."""
     G, d = q.shape[1], q.shape[2]
     lo, hi = b * DECODE_ROWS, min(n, (b + 1) * DECODE_ROWS)
     if lo < c:
@@ -199,16 +217,17 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total,
     if hi > c:
         _score_rows(q, k, h, max(lo, c), hi, scores)
     for g in range(G):
-        m = -np.inf
+        m = EMPTY
         for t in range(lo, hi):
             s = scores[h, g, t] * scale
             if cap > 0:
                 s = np.tanh(s / cap) * cap
             scores[h, g, t] = s
-            m = max(m, s)
+            if kept(valid, h, t):
+                m = max(m, s)
         acc = np.float32(0.0)
         for t in range(lo, hi):
-            e = np.exp(scores[h, g, t] - m)
+            e = np.exp(scores[h, g, t] - m) if kept(valid, h, t) else np.float32(0.0)
             scores[h, g, t] = e
             acc += e
         top[h, b, g], total[h, b, g] = m, acc
@@ -216,10 +235,11 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, scores, top, total,
         for g in range(G):
             part[h, b, g, j] = 0.0
     for t in range(lo, hi):
-        for g in range(G):
-            p = scores[h, g, t]
-            for j in range(d):
-                part[h, b, g, j] += p * widen(v[h, t, j])
+        if kept(valid, h, t):
+            for g in range(G):
+                p = scores[h, g, t]
+                for j in range(d):
+                    part[h, b, g, j] += p * widen(v[h, t, j])
 
 
 @njit(fastmath=True, cache=True)
@@ -266,42 +286,7 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
 # torch's SDPA with a boolean mask over an ice layer's resident rows (sink, pool, window; 3 KV
 # heads of 3 queries, d = 64) took 0.20 / 0.30 ms a layer at 336 / 600 rows on a 2-core AVX2
 # machine, where this kernel with its wrapper takes 0.16 / 0.23 (28 layers' rows in turn, medians
-# of 20). The same blocks as the dense decode, the rows the mask leaves out weighing nothing.
-
-EMPTY = np.float32(-3.0e38)  # a block's maximum when the mask leaves it no row (its weight: 0)
-
-
-@njit(fastmath=True, cache=True)
-def masked_block(q, k, v, valid, scale, cap, h, b, scores, top, total, part):
-    """Block ``b`` of head ``h`` in :func:`paged_decode_fused`: as :func:`decode_block`, the
-    rows with ``valid[h, t]`` False left out (an empty block: maximum :data:`EMPTY`, sum 0)."""
-    G, d = q.shape[1], q.shape[2]
-    lo, hi = b * DECODE_ROWS, min(k.shape[1], (b + 1) * DECODE_ROWS)
-    _score_rows(q, k, h, lo, hi, scores)
-    for g in range(G):
-        m = EMPTY
-        for t in range(lo, hi):
-            s = scores[h, g, t] * scale
-            if cap > 0:
-                s = np.tanh(s / cap) * cap
-            scores[h, g, t] = s
-            if valid[h, t]:
-                m = max(m, s)
-        acc = np.float32(0.0)
-        for t in range(lo, hi):
-            e = np.exp(scores[h, g, t] - m) if valid[h, t] else np.float32(0.0)
-            scores[h, g, t] = e
-            acc += e
-        top[h, b, g], total[h, b, g] = m, acc
-    for j in range(d):
-        for g in range(G):
-            part[h, b, g, j] = 0.0
-    for t in range(lo, hi):
-        if valid[h, t]:
-            for g in range(G):
-                p = scores[h, g, t]
-                for j in range(d):
-                    part[h, b, g, j] += p * widen(v[h, t, j])
+# of 20). The dense decode's blocks, the rows the mask leaves out weighing nothing.
 
 
 @njit(parallel=True, fastmath=True, cache=True)
@@ -318,5 +303,5 @@ def paged_decode_fused(q, k, v, valid, scale, cap, out):
     total = np.empty((H, blocks, G), np.float32)
     part = np.empty((H, blocks, G, d), np.float32)
     for task in prange(H * blocks):
-        masked_block(q, k, v, valid, scale, cap, task // blocks, task % blocks, scores, top, total, part)
+        decode_block(q, k, v, n, scale, cap, q, k, 0, task // blocks, task % blocks, scores, top, total, part, valid)
     join_blocks(top, total, part, out)
