@@ -243,8 +243,12 @@ class FastStep:
         eager = sys.modules[type(attn).__module__].eager_attention_forward
         self._functions, self._eager = ALL_ATTENTION_FUNCTIONS, eager
         self.int4 = int4_layers(model)  # None: the modules' own products
-        # every layer in one numba call where the cache allows (fused_step): made at the first such step
-        self._fused: Any = None if config.model_type in ("llama", "mistral", "qwen2") else False
+        # the layers in numba where their weights allow (fused_step): made at the first such step
+        self._fused: Any = None
+        # whole layers, attention included, over dense rows: where every layer attends alike (one
+        # RoPE, one scale, no window, no capped scores), as fused_step.decoder_layer does
+        self.whole = (self.rope_kinds is None and len({layer.self_attn.scaling for layer in inner.layers}) == 1
+                      and all(v is None for kw in self.attend_kwargs for v in kw.values()))
 
     def _fused_layers(self, cache: Any) -> FusedLayers | None:
         """The model's layers for :mod:`~icecache.fused_step` (made at the first such step), or
@@ -282,12 +286,12 @@ class FastStep:
         angles = self._angles(x, position_ids)
         fused = self._fused_layers(cache)
         if fused is not None:
-            cos, sin = angles[0]
-            cos, sin = cos.reshape(-1), sin.reshape(-1)
-            scale = inner.layers[0].self_attn.scaling
-            dense = dense_rows(cache, config.num_hidden_layers) if config._attn_implementation in FUSED_ATTENTION else None
+            dense = (dense_rows(cache, config.num_hidden_layers)
+                     if self.whole and config._attn_implementation in FUSED_ATTENTION else None)
             if dense is not None:  # every layer whole, its attention over the dense rows included
-                x = run_layers(fused, dense, x.reshape(-1), cos, sin, H, Hk, d, scale).view(1, 1, -1)
+                cos, sin = angles[0]
+                x = run_layers(fused, dense, x.reshape(-1), cos.reshape(-1), sin.reshape(-1), H, Hk, d,
+                               inner.layers[0].self_attn.scaling).view(1, 1, -1)
             else:  # the cache's own update and attention between each layer's two fused parts
                 def attention(i, q, k, v):
                     k, v = cache.update(k, v, i)
@@ -296,7 +300,7 @@ class FastStep:
                                     use_cache=True, **self.attend_kwargs[i])
                     return out
 
-                x = run_split(fused, attention, x.reshape(-1), cos, sin, H, Hk, d).view(1, 1, -1)
+                x = run_split(fused, attention, x.reshape(-1), angles, H, Hk, d).view(1, 1, -1)
         half = d // 2
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers] if fused is None else []):

@@ -4,27 +4,29 @@
 weight products; on a 2-core CPU each op's fixed cost (a few microseconds of dispatch, a hand-off
 to the thread pool) made a step of the embedded model's 30 layers take several times what its
 arithmetic and its weights' bytes need. Here a layer is two numba calls around its attention:
-:func:`llama_pre` (the input RMS norm, the q/k/v products with their biases, RoPE with the
-model's own angles) and :func:`llama_post` (the output product, the residual, the post-attention
-norm, the SiLU MLP); between them the cache's own ``update`` and the method's own attention
-function, so every method runs through it (:func:`run_split`). Where every cache layer is a
+:func:`decoder_pre` (the input RMS norm, the q/k/v products with their biases, per-head q/k norms
+where the model has them, RoPE with the model's own angles) and :func:`decoder_post` (the output
+product, the residual, the MLP's norms, the MLP, the residual); between them the cache's own
+``update`` and the method's own attention function, so every method and every kind of layer (a
+sliding window's included) runs through it (:func:`run_split`). Where every cache layer is a
 plain dense growing layer (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and
 ``ice`` while it keeps every layer dense, distances past the trained context clamped or not, its
-rows in float32 or in its 16-bit decode dtypes), the whole layer is one call (:func:`llama_layer`,
+rows in float32 or in its 16-bit decode dtypes) and the model attends alike in every layer (one
+RoPE, no window, no capped scores), the whole layer is one call (:func:`decoder_layer`,
 :func:`run_layers`), and every layer of the step one call where none clamps its distances
-(:func:`llama_layers`): the new key and value go into the layer's buffer and attention over its
-rows runs in numba too
-(:func:`~icecache.cache.score_kernels.dense_decode_fused`).
+(:func:`decoder_layers`): the new key and value go into the layer's buffer and attention over its
+rows runs in numba too (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
 The products run from each layer's weights held as bytes with a step and a minimum per group of
 32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32): a GGUF layer's own
 (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
 (:class:`~icecache.weights.Int4Linear`, made at the first step: a byte a weight beside its
-packed four bits). When: a Llama-family model (Llama, Mistral, Qwen 2; no per-head norms, SiLU)
-whose every layer is one of those two, on the CPU in float32, outside a prompt; otherwise the
-torch step, which stays the reference (tests/test_fused_step.py: 64 steps' logits within float
-rounding of transformers' forward over the same values in float32, and every method against the
-float model's torch step).
+packed four bits). Which models: the fast step's (Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3:
+their norms, Gemma's ``1 + weight`` and its norms around the attention and the MLP, SiLU or
+GELU's tanh form) whose every layer's seven products are one of those two, on the CPU in
+float32, outside a prompt; otherwise the torch step, which stays the reference
+(tests/test_fused_step.py: 64 steps' logits within float rounding of transformers' forward over
+the same values in float32, and every method against the float model's torch step).
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ NO_BIAS = np.zeros(0, np.float32)
 
 @njit(fastmath=True, cache=True)
 def _rms(x, w, eps):
-    """The Llama family's RMS norm, in float32 throughout (a float64 scale made the row float64,
+    """An RMS norm by ``w``, in float32 throughout (a float64 scale made the row float64,
     and every product after it half as fast)."""
     s = np.float32(0.0)
     for i in range(x.shape[0]):
@@ -67,14 +69,22 @@ def _rope(v, heads, d, cos, sin):
             v[o + half + j] = b * cos[half + j] + a * sin[half + j]
 
 
+@njit(fastmath=True, cache=True)
+def _head_norms(v, heads, d, w, eps):
+    """Qwen 3's and Gemma 3's per-head RMS norm of q or k (``w`` (d,)), head by head, in place."""
+    for h in range(heads):
+        v[h * d:(h + 1) * d] = _rms(v[h * d:(h + 1) * d], w, eps)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def llama_pre(x, norm, eps, weights, tables, biases, rows, cos, sin, H, Hk, d):
-    """A Llama-family layer up to its attention, for one token: ``x`` (D,) float32 -> (q, k, v)
-    (H * d,), (Hk * d,), (Hk * d,) with RoPE on q and k. ``norm`` the input norm's weight;
+def decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, sin, H, Hk, d):
+    """A decoder layer up to its attention, for one token: ``x`` (D,) float32 -> (q, k, v)
+    (H * d,), (Hk * d,), (Hk * d,) with RoPE on q and k. ``norms[0]`` the input norm's weight;
     ``weights``/``tables``/``biases``/``rows``: the layer's seven products (q, k, v, o, gate,
     up, down) in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty) and their output
-    sizes; ``cos``/``sin`` (d,). q, k and v's tiles run in one parallel loop."""
-    h = _rms(x, norm, eps)
+    sizes; ``head_norms`` (2, d): q's and k's per-head norms before RoPE (Qwen 3, Gemma 3; none:
+    (0, d)); ``cos``/``sin`` (d,). q, k and v's tiles run in one parallel loop."""
+    h = _rms(x, norms[0], eps)
     sums = group_sums(h)
     q, k, v = np.empty(rows[0], np.float32), np.empty(rows[1], np.float32), np.empty(rows[2], np.float32)
     wq, wk, wv, tq, tk, tv = weights[0], weights[1], weights[2], tables[0], tables[1], tables[2]
@@ -89,6 +99,9 @@ def llama_pre(x, norm, eps, weights, tables, biases, rows, cos, sin, H, Hk, d):
     for out, bias in ((q, biases[0]), (k, biases[1]), (v, biases[2])):
         if bias.shape[0]:
             out += bias
+    if head_norms.shape[0]:
+        _head_norms(q, H, d, head_norms[0], eps)
+        _head_norms(k, Hk, d, head_norms[1], eps)
     _rope(q, H, d, cos, sin)
     _rope(k, Hk, d, cos, sin)
     return q, k, v
@@ -106,13 +119,32 @@ def _product(w, tb, x, rows, bias):
     return out
 
 
+@njit(fastmath=True, cache=True)
+def _gelu_tanh(x):
+    """GELU by its tanh form (transformers' ``gelu_pytorch_tanh``, Gemma's MLP)."""
+    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(0.7978845608028654)
+                                                            * (x + np.float32(0.044715) * x * x * x)))
+
+
+SILU, GELU_TANH = 0, 1  # the MLP's activations the fused layers know (decoder_post's ``act``)
+
+
 @njit(parallel=True, fastmath=True, cache=True)
-def llama_post(x, attn, norm, eps, weights, tables, biases, rows):
+def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act):
     """The rest of the layer after its attention: ``x`` (D,) the layer's input, ``attn`` (H * d,)
-    its attention's output -> the layer's output (the output product, the residual, the
-    post-attention norm ``norm``, the SiLU MLP, the residual; gate and up's tiles in one loop)."""
-    x = x + _product(weights[3], tables[3], attn, rows[3], biases[3])
-    h = _rms(x, norm, eps)
+    its attention's output -> the layer's output. ``norms`` (2, D), the Llama family: the output
+    product and the residual, the post-attention norm ``norms[1]``, the MLP and the residual;
+    (4, D), Gemma's "sandwich": ``norms[1]`` on the output product before its residual,
+    ``norms[2]`` before the MLP and ``norms[3]`` on its output before the residual. ``act``:
+    :data:`SILU` or :data:`GELU_TANH` on the gate; gate and up's tiles in one loop."""
+    sandwich = norms.shape[0] == 4
+    o = _product(weights[3], tables[3], attn, rows[3], biases[3])
+    if sandwich:
+        x = x + _rms(o, norms[1], eps)
+        h = _rms(x, norms[2], eps)
+    else:
+        x = x + o
+        h = _rms(x, norms[1], eps)
     sums = group_sums(h)
     gate, up = np.empty(rows[4], np.float32), np.empty(rows[5], np.float32)
     wg, wu, tg, tu = weights[4], weights[5], tables[4], tables[5]
@@ -126,20 +158,26 @@ def llama_post(x, attn, norm, eps, weights, tables, biases, rows):
         gate += biases[4]
     if biases[5].shape[0]:
         up += biases[5]
-    act = gate / (np.float32(1.0) + np.exp(-gate)) * up
-    return x + _product(weights[6], tables[6], act, rows[6], biases[6])
+    if act == GELU_TANH:
+        mixed = _gelu_tanh(gate) * up
+    else:
+        mixed = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    m = _product(weights[6], tables[6], mixed, rows[6], biases[6])
+    if sandwich:
+        m = _rms(m, norms[3], eps)
+    return x + m
 
 
 @njit(fastmath=True, cache=True)
-def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vbuf, n, scale, H, Hk, d,
-                turn, k0buf, c):
-    """One Llama-family decoder layer for one token over a dense cache layer: :func:`llama_pre`,
-    the new key and value written into row ``n`` of ``kbuf``/``vbuf`` (Hk, capacity, d),
-    attention over rows 0..n (:func:`~icecache.cache.score_kernels.dense_decode_fused`; ``c`` >
-    0, clamped distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c``
-    rows score against ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn``
-    (d, d)), :func:`llama_post`. ``norms`` (2, D): the input and post-attention norms' weights."""
-    q, k, v = llama_pre(x, norms[0], eps, weights, tables, biases, rows, cos, sin, H, Hk, d)
+def decoder_layer(x, layer, cos, sin, kbuf, vbuf, n, scale, H, Hk, d, turn, k0buf, c):
+    """One decoder layer for one token over a dense cache layer: :func:`decoder_pre`, the new
+    key and value written into row ``n`` of ``kbuf``/``vbuf`` (Hk, capacity, d), attention over
+    rows 0..n (:func:`~icecache.cache.score_kernels.dense_decode_fused`; ``c`` > 0, clamped
+    distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c`` rows score
+    against ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn`` (d, d)),
+    :func:`decoder_post`. ``layer``: the layer's values, :attr:`FusedLayers.layers`."""
+    norms, eps, weights, tables, biases, rows, head_norms, act = layer
+    q, k, v = decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, sin, H, Hk, d)
     for g in range(Hk):
         for j in range(d):
             kbuf[g, n, j] = narrow(k[g * d + j], kbuf[g, n, j])
@@ -156,23 +194,20 @@ def llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbuf, vb
                         far[i, g, j] += a * turn[m, j]
     attn = np.empty((Hk, H // Hk, d), np.float32)
     dense_decode_fused(q3, kbuf, vbuf, n + 1, scale, np.float32(0.0), far, k0buf, c, attn)
-    return llama_post(x, attn.reshape(H * d), norms[1], eps, weights, tables, biases, rows)
+    return decoder_post(x, attn.reshape(H * d), norms, eps, weights, tables, biases, rows, act)
 
 
 @njit(fastmath=True, cache=True)
-def llama_layers(x, params, kbufs, vbufs, ns, cos, sin, scale, H, Hk, d):
-    """Every layer of a step through :func:`llama_layer`, none of them clamped, in one call:
-    ``params`` (a typed list) holds each layer's ``(norms, eps, weights, tables, biases, rows)``,
-    ``kbufs``/``vbufs`` (typed lists) its row buffers and ``ns`` its rows before the step. One
-    call instead of one a layer (each call unboxes some twenty-five arrays and its tuples): the
-    embedded model's 1k step 27.9 against 31.6 ms on a 2-core AVX2 machine (medians of 16
-    alternated blocks of 16 steps)."""
+def decoder_layers(x, layers, kbufs, vbufs, ns, cos, sin, scale, H, Hk, d):
+    """Every layer of a step through :func:`decoder_layer`, none of them clamped, in one call:
+    ``layers`` (a typed list) holds each layer's values, ``kbufs``/``vbufs`` (typed lists) its
+    row buffers and ``ns`` its rows before the step. One call instead of one a layer (each call
+    unboxes some twenty-five arrays and its tuples): the embedded model's 1k step 27.9 against
+    31.6 ms on a 2-core AVX2 machine (medians of 16 alternated blocks of 16 steps)."""
     no_turn = np.zeros((d, d), np.float32)
     no_k0 = np.zeros((Hk, 0, d), np.float32)
-    for i in range(len(params)):
-        norms, eps, weights, tables, biases, rows = params[i]
-        x = llama_layer(x, norms, eps, weights, tables, biases, rows, cos, sin, kbufs[i], vbufs[i], ns[i],
-                        scale, H, Hk, d, no_turn, no_k0, 0)
+    for i in range(len(layers)):
+        x = decoder_layer(x, layers[i], cos, sin, kbufs[i], vbufs[i], ns[i], scale, H, Hk, d, no_turn, no_k0, 0)
     return x
 
 
@@ -190,50 +225,76 @@ def _bytes_of(mod: Any) -> tuple[np.ndarray, np.ndarray] | None:
     return None
 
 
-class FusedLayers:
-    """The weights :func:`llama_layer` reads, per layer (made once per model, :meth:`of`)."""
+ACTIVATIONS = {"silu": SILU, "gelu_pytorch_tanh": GELU_TANH}
 
-    def __init__(self, layers: list[tuple]):
+
+def _norm_of(norm: Any, gemma: bool) -> tuple[np.ndarray, float]:
+    """An RMS norm module's weight as the fused layers scale by (Gemma's ``1 + weight``) and its
+    epsilon."""
+    w = norm.weight.detach().float()
+    return (1.0 + w if gemma else w).contiguous().numpy(), float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 0.0)))
+
+
+class FusedLayers:
+    """The values :func:`decoder_layer` reads, per layer (made once per model, :meth:`of`):
+    ``layers[i]`` is ``(norms, eps, weights, tables, biases, rows, head_norms, act)``, the
+    arguments of :func:`decoder_pre` and :func:`decoder_post`; ``modules[i]`` the seven linear
+    modules they were made from."""
+
+    def __init__(self, layers: list[tuple], modules: list[tuple]):
         self.layers = layers
-        self._typed: Any = None  # the layers' weights as one typed list (:meth:`typed`), made once
+        self.modules = modules
+        self._typed: Any = None  # the layers' values as one typed list (:meth:`typed`), made once
 
     def typed(self):
-        """The layers' weights as the typed list :func:`llama_layers` takes (made at the first
+        """The layers' values as the typed list :func:`decoder_layers` takes (made at the first
         call), or None where the layers' types differ (a typed list holds one type)."""
         if self._typed is None:
-            entries = [(norms, eps, weights, tables, biases, rows)
-                       for _mods, norms, eps, weights, tables, biases, rows in self.layers]
-            self._typed = _typed_list(entries) or False
+            self._typed = _typed_list(self.layers) or False
         return self._typed or None
+
+    @staticmethod
+    def _modules(layer: Any) -> tuple:
+        a, mlp = layer.self_attn, layer.mlp
+        return (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     @staticmethod
     def of(model: Any) -> FusedLayers | None:
         """The model's fused layers, or None where a layer cannot be fused (module docstring)."""
-        inner = model.model
-        out = []
-        for layer in inner.layers[: model.config.num_hidden_layers]:
-            a, mlp = layer.self_attn, layer.mlp
-            if hasattr(a, "q_norm") or getattr(model.config, "hidden_act", "silu") != "silu":
+        config = model.config
+        gemma = config.model_type in ("gemma2", "gemma3_text")
+        act = ACTIVATIONS.get(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
+        if act is None:
+            return None
+        layers, modules = [], []
+        for layer in model.model.layers[: config.num_hidden_layers]:
+            a = layer.self_attn
+            try:
+                mods = FusedLayers._modules(layer)
+            except AttributeError:  # (a joined qkv or gate/up projection)
                 return None
-            mods = (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
             made = [_bytes_of(m) for m in mods]
             if any(m is None for m in made):
                 return None
+            kinds = (["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm",
+                      "post_feedforward_layernorm"] if gemma else ["input_layernorm", "post_attention_layernorm"])
+            norms = [_norm_of(getattr(layer, kind), gemma) for kind in kinds]
+            heads = [_norm_of(a.q_norm, gemma), _norm_of(a.k_norm, gemma)] if hasattr(a, "q_norm") else []
+            eps = {e for _, e in norms + heads}
+            if len(eps) != 1:  # (one epsilon a layer)
+                return None
+            head_norms = (np.stack([w for w, _ in heads]) if heads else np.zeros((0, a.head_dim), np.float32))
             biases = tuple(NO_BIAS if m.bias is None else m.bias.detach().float().contiguous().numpy() for m in mods)
-            norms = np.stack([layer.input_layernorm.weight.detach().float().numpy(),
-                              layer.post_attention_layernorm.weight.detach().float().numpy()])
-            out.append((mods, norms, np.float32(layer.input_layernorm.variance_epsilon),
-                        tuple(m[0] for m in made), tuple(m[1] for m in made), biases,
-                        np.array([m.out_features for m in mods], np.int64)))
-        return FusedLayers(out)
+            layers.append((np.stack([w for w, _ in norms]), np.float32(eps.pop()), tuple(m[0] for m in made),
+                           tuple(m[1] for m in made), biases, np.array([m.out_features for m in mods], np.int64),
+                           head_norms, act))
+            modules.append(mods)
+        return FusedLayers(layers, modules)
 
     def current(self, model: Any) -> bool:
         """Whether the model still has the modules these were made from."""
-        for (mods, *_), layer in zip(self.layers, model.model.layers, strict=False):
-            a, mlp = layer.self_attn, layer.mlp
-            if mods != (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj):
-                return False
-        return True
+        return all(mods == FusedLayers._modules(layer)
+                   for mods, layer in zip(self.modules, model.model.layers, strict=False))
 
 
 def dense_rows(cache: Any, num_layers: int) -> list | None:
@@ -287,10 +348,10 @@ def _row_lists(layers: list):
 
 def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                heads: int, kv_heads: int, d: int, scale: float) -> torch.Tensor:
-    """Every decoder layer of one step through :func:`llama_layer`, each cache layer grown by
+    """Every decoder layer of one step through :func:`decoder_layer`, each cache layer grown by
     the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,). Where no layer
-    clamps its distances and the layers' weights and buffers each share one type, one call
-    (:func:`llama_layers`); otherwise a call a layer."""
+    clamps its distances and the layers' values and buffers each share one type, one call
+    (:func:`decoder_layers`); otherwise a call a layer."""
     xn = x.detach().contiguous().numpy()
     cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
     clamps = []
@@ -300,22 +361,21 @@ def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Ten
         if n + 1 > layer._k.shape[2]:
             layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
         clamps.append(layer.clamp_rows(n + 1))
-    params = fused.typed() if all(c is None for c in clamps) else None
-    rows = _row_lists(layers) if params is not None else None
+    typed = fused.typed() if all(c is None for c in clamps) else None
+    rows = _row_lists(layers) if typed is not None else None
     if rows is not None:
         ns = np.array([layer._n for layer in layers], np.int64)
-        xn = llama_layers(xn, params, rows[0], rows[1], ns, cn, sn, np.float32(scale), heads, kv_heads, d)
+        xn = decoder_layers(xn, typed, rows[0], rows[1], ns, cn, sn, np.float32(scale), heads, kv_heads, d)
     else:
         no_turn = np.zeros((d, d), np.float32)
-        for (_mods, norms, eps, weights, tables, biases, wrows), layer, clamp in zip(fused.layers, layers, clamps,
-                                                                                    strict=True):
+        for values, layer, clamp in zip(fused.layers, layers, clamps, strict=True):
             kbuf, vbuf = kernel_rows(layer._k[0]), kernel_rows(layer._v[0])
             if clamp is None:
                 turn, k0buf, c = no_turn, np.zeros((kv_heads, 0, d), np.float32), 0
             else:
                 turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
-            xn = llama_layer(xn, norms, eps, weights, tables, biases, wrows, cn, sn, kbuf, vbuf, layer._n,
-                             np.float32(scale), heads, kv_heads, d, turn, k0buf, c)
+            xn = decoder_layer(xn, values, cn, sn, kbuf, vbuf, layer._n, np.float32(scale), heads, kv_heads, d,
+                               turn, k0buf, c)
     for layer in layers:
         layer._n += 1
         layer.keys = layer._k[:, :, : layer._n]
@@ -342,18 +402,23 @@ def paused() -> bool:
     return _paused
 
 
-def run_split(fused: FusedLayers, attention, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-              heads: int, kv_heads: int, d: int) -> torch.Tensor:
-    """Every decoder layer of one step as :func:`llama_pre`, ``attention(i, q, k, v)`` (the
+def run_split(fused: FusedLayers, attention, x: torch.Tensor, angles: list, heads: int, kv_heads: int,
+              d: int) -> torch.Tensor:
+    """Every decoder layer of one step as :func:`decoder_pre`, ``attention(i, q, k, v)`` (the
     cache's update and the method's attention function, given (1, H, 1, d) tensors; returns the
-    output, (1, 1, H, d)) and :func:`llama_post`: for any cache. ``x`` (D,) float32 -> (D,)."""
+    output, (1, 1, H, d)) and :func:`decoder_post`: for any cache. ``x`` (D,) float32 -> (D,);
+    ``angles[i]`` layer ``i``'s (cos, sin), d values each (Gemma 3: one pair per RoPE kind)."""
     xn = x.detach().contiguous().numpy()
-    cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
-    for i, (_mods, norms, eps, weights, tables, biases, rows) in enumerate(fused.layers):
-        q, k, v = llama_pre(xn, norms[0], eps, weights, tables, biases, rows, cn, sn, heads, kv_heads, d)
+    made: dict = {}
+    for i, (norms, eps, weights, tables, biases, rows, head_norms, act) in enumerate(fused.layers):
+        cos, sin = angles[i]
+        if id(cos) not in made:
+            made[id(cos)] = (cos.detach().reshape(-1).contiguous().numpy(), sin.detach().reshape(-1).contiguous().numpy())
+        cn, sn = made[id(cos)]
+        q, k, v = decoder_pre(xn, norms, eps, weights, tables, biases, rows, head_norms, cn, sn, heads, kv_heads, d)
         out = attention(i, torch.from_numpy(q).view(1, 1, heads, d).transpose(1, 2),
                         torch.from_numpy(k).view(1, 1, kv_heads, d).transpose(1, 2),
                         torch.from_numpy(v).view(1, 1, kv_heads, d).transpose(1, 2))
-        xn = llama_post(xn, out.detach().reshape(-1).float().contiguous().numpy(), norms[1], eps, weights,
-                        tables, biases, rows)
+        xn = decoder_post(xn, out.detach().reshape(-1).float().contiguous().numpy(), norms, eps, weights, tables,
+                          biases, rows, act)
     return torch.from_numpy(xn)

@@ -100,17 +100,18 @@ def compile_cache() -> None:
                     np.empty(1, np.float32), np.empty(1, np.float32))
     grouped_product(np.zeros((1, 32, 64), np.uint8), np.zeros((1, 1, 2, 64), np.float32),
                     np.zeros(32, np.float32), np.empty(1, np.float32))
-    from .fused_step import NO_BIAS, _typed_list, llama_layer, llama_layers  # a dense decode step's layers
+    from .fused_step import NO_BIAS, SILU, _typed_list, decoder_layer, decoder_layers  # a dense step's layers
 
     tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
     f32 = np.float32
-    layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7, np.full(7, 64, np.int64))
+    layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7, np.full(7, 64, np.int64),
+             np.zeros((0, 16), f32), SILU)
     for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
         kbuf, vbuf = np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd)
-        llama_layer(np.ones(64, f32), *layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, f32(0.25),
-                    4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
-        llama_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]),
-                     np.zeros(1, np.int64), np.ones(16, f32), np.zeros(16, f32), f32(0.25), 4, 2, 16)
+        decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, f32(0.25),
+                      4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
+        decoder_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]),
+                       np.zeros(1, np.int64), np.ones(16, f32), np.zeros(16, f32), f32(0.25), 4, 2, 16)
 
 
 def convert_embedded() -> None:

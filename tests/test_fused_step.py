@@ -45,13 +45,15 @@ def forced_logits(model, cache, prompt: list[int], forced: list[int], step=None)
     return out
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("method", ["dense", "ice", "full"])
 def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
-    """``dense``, and ``ice`` on a run short enough to keep every layer dense, whole layers;
-    ``full`` (transformers' cache and attention) the layers' two parts around them (qwen2: q/k/v
-    biases): each of 64 steps' logits within float rounding of the float model's forward over
-    the same values."""
+    """``dense``, and ``ice`` on a run short enough to keep every layer dense, whole layers where
+    the model attends alike in every layer; otherwise (Gemma's window layers, Gemma 2's capped
+    scores, Gemma 3's RoPE per layer kind) and with ``full`` (transformers' cache and attention)
+    the layers' two parts around the cache's attention (qwen2: q/k/v biases; qwen3 and gemma3:
+    per-head q/k norms; Gemma: norms by ``1 + weight`` around attention and MLP, GELU): each of
+    64 steps' logits within float rounding of the float model's forward over the same values."""
     float_model, model = exact_int4(arch)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 97, (90,), generator=g).tolist()
@@ -63,32 +65,37 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
     ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
     prepare_model(method, model, settings, total)
     calls, whole = [], []
-    name = "run_split" if method == "full" else "run_layers"
+    step = FastStep(model)
+    alike = arch not in ("gemma2", "gemma3")
+    assert step.whole == alike
+    name = "run_split" if method == "full" or not alike else "run_layers"
     real = getattr(fast_step, name)
     monkeypatch.setattr(fast_step, name, lambda *a: calls.append(1) or real(*a))
-    one_call = fused_step.llama_layers
-    monkeypatch.setattr(fused_step, "llama_layers", lambda *a: whole.append(1) or one_call(*a))
+    one_call = fused_step.decoder_layers
+    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
     cache = make_cache(method, model, settings, total)
-    got = forced_logits(model, cache, prompt, forced, FastStep(model))
+    got = forced_logits(model, cache, prompt, forced, step)
     assert len(calls) == len(forced)  # every step fused
-    assert len(whole) == (0 if method == "full" else len(forced))  # dense: every layer in one call
+    assert len(whole) == (len(forced) if name == "run_layers" else 0)  # dense: every layer in one call
     for i, (a, b) in enumerate(zip(ref, got, strict=True)):
         err = float((a - b).abs().max())
         assert err <= 1e-5 * float(a.abs().max()), f"{arch} {method} step {i}: {err:.2e}"
-    if method != "full":  # a fork of the cache (a second question) copies it without the step's buffer lists
+    if name == "run_layers":  # a fork of the cache (a second question) copies it without the step's buffer lists
         assert hasattr(cache.layers[0], "_fused_rows")
         twin = copy.deepcopy(cache)
         assert all(not hasattr(layer, "_fused_rows") for layer in twin.layers)
         assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, twin.layers, strict=True))
 
 
-def test_every_method_runs_the_split_layers_as_the_torch_step(monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_every_method_runs_the_split_layers_as_the_torch_step(arch, monkeypatch):
     """Every method (small pages and budgets, as tests/test_fast_step.py): the fused layers' two
-    parts around the method's own cache and attention (whole layers where the cache is dense)
-    against the float model's torch step, within float rounding (no choice of pages moved)."""
+    parts around the method's own cache and attention (whole layers where the cache is dense and
+    the model allows) against the float model's torch step, within float rounding (no choice of
+    pages moved); Gemma 3: its window layers beside the method's global ones."""
     from icecache.methods import names
 
-    float_model, model = exact_int4("llama")
+    float_model, model = exact_int4(arch)
     g = torch.Generator().manual_seed(10)
     prompt = torch.randint(0, 97, (120,), generator=g).tolist()
     forced = torch.randint(0, 97, (8,), generator=g).tolist()
@@ -185,8 +192,8 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
     settings = small_settings(dense_until=8192, chunk_size=512, dense_kv=dense_kv)
     total = len(prompt) + len(forced) + 1
     outs, whole = [], []
-    one_call = fused_step.llama_layers
-    monkeypatch.setattr(fused_step, "llama_layers", lambda *a: whole.append(1) or one_call(*a))
+    one_call = fused_step.decoder_layers
+    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
     for m in (float_model, model):
         prepare_model("ice", m, settings, total)
         cache = make_cache("ice", m, settings, total, prompt_tokens=len(prompt))
