@@ -5,7 +5,7 @@ to or loaded from, and the saving and loading itself. :class:`DocPrefixes` is a 
 from __future__ import annotations
 
 from .cache.state import load_layers, save_layers
-from .cache.window import seen
+from .cache.window import kv_in_order, seen
 from .doc_cache import SHAPING_IF_SET, STATE_NEUTRAL
 from .methods import get, reads_prompt_queries
 
@@ -51,7 +51,7 @@ class DocPrefixes:
             return  # values already taken to a decode dtype (dense_kv) are not the prompt's exact ones
         if dc is self.doc_cache:  # a full prefill: every layer's keys and values (a window layer's window)
             windows = [layer.sliding_window if layer.is_sliding else 0 for layer in self.cache.layers]
-            dc.save(ids, [(layer.keys, layer.values) for layer in self.cache.layers], windows)
+            dc.save(ids, [kv_in_order(layer) for layer in self.cache.layers], windows)
             return
         try:
             skeleton, tensors = save_layers(self.cache)

@@ -43,10 +43,11 @@ from __future__ import annotations
 
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .fused_step import FusedLayers, dense_rows, paused, run_layers, run_split
+from .fused_step import FusedLayers, paused, run_layers, run_split, whole_rows
 from .weights import COMPUTE, GROUP, Int4Linear, in_prompt
 
 # attention implementations whose decode over a plain dense growing layer is dense_decode
@@ -245,10 +246,11 @@ class FastStep:
         self.int4 = int4_layers(model)  # None: the modules' own products
         # the layers in numba where their weights allow (fused_step): made at the first such step
         self._fused: Any = None
-        # whole layers, attention included, over dense rows: where every layer attends alike (one
-        # RoPE, one scale, no window, no capped scores), as fused_step.decoder_layer does
-        self.whole = (self.rope_kinds is None and len({layer.self_attn.scaling for layer in inner.layers}) == 1
-                      and all(v is None for kw in self.attend_kwargs for v in kw.values()))
+        # each layer's attention scale and cap on its scores (0: none), as the whole fused layers take them
+        self.scales = np.array([layer.self_attn.scaling for layer in inner.layers[: config.num_hidden_layers]],
+                               np.float32)
+        self.caps = np.array([kw.get("softcap") or 0.0 for kw in self.attend_kwargs[: config.num_hidden_layers]],
+                             np.float32)
 
     def _fused_layers(self, cache: Any) -> FusedLayers | None:
         """The model's layers for :mod:`~icecache.fused_step` (made at the first such step), or
@@ -286,12 +288,9 @@ class FastStep:
         angles = self._angles(x, position_ids)
         fused = self._fused_layers(cache)
         if fused is not None:
-            dense = (dense_rows(cache, config.num_hidden_layers)
-                     if self.whole and config._attn_implementation in FUSED_ATTENTION else None)
-            if dense is not None:  # every layer whole, its attention over the dense rows included
-                cos, sin = angles[0]
-                x = run_layers(fused, dense, x.reshape(-1), cos.reshape(-1), sin.reshape(-1), H, Hk, d,
-                               inner.layers[0].self_attn.scaling).view(1, 1, -1)
+            whole = whole_rows(cache, config.num_hidden_layers) if config._attn_implementation in FUSED_ATTENTION else None
+            if whole is not None:  # every layer whole, its attention over the cache's rows included
+                x = run_layers(fused, whole, x.reshape(-1), angles, H, Hk, d, self.scales, self.caps).view(1, 1, -1)
             else:  # the cache's own update and attention between each layer's two fused parts
                 def attention(i, q, k, v):
                     k, v = cache.update(k, v, i)

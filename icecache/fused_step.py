@@ -169,19 +169,22 @@ def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act):
 
 
 @njit(fastmath=True, cache=True)
-def decoder_layer(x, layer, cos, sin, kbuf, vbuf, n, scale, H, Hk, d, turn, k0buf, c):
-    """One decoder layer for one token over a dense cache layer: :func:`decoder_pre`, the new
-    key and value written into row ``n`` of ``kbuf``/``vbuf`` (Hk, capacity, d), attention over
-    rows 0..n (:func:`~icecache.cache.score_kernels.dense_decode_fused`; ``c`` > 0, clamped
-    distances, :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c`` rows score
-    against ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn`` (d, d)),
+def decoder_layer(x, layer, cos, sin, kbuf, vbuf, slot, rows, scale, cap, H, Hk, d, turn, k0buf, c):
+    """One decoder layer for one token over a cache layer's rows: :func:`decoder_pre`, the new
+    key and value written into row ``slot`` of ``kbuf``/``vbuf`` (Hk, capacity, d), attention
+    over rows 0..rows-1 (a growing layer: ``slot`` its row count, ``rows`` one more; a window
+    layer's ring, :class:`~icecache.cache.window.WindowLayer`: the slot leaving the window),
+    scores scaled by ``scale`` and capped where ``cap`` > 0
+    (:func:`~icecache.cache.score_kernels.dense_decode_fused`; ``c`` > 0, clamped distances,
+    :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c`` rows score against
+    ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn`` (d, d)),
     :func:`decoder_post`. ``layer``: the layer's values, :attr:`FusedLayers.layers`."""
-    norms, eps, weights, tables, biases, rows, head_norms, act = layer
-    q, k, v = decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, sin, H, Hk, d)
+    norms, eps, weights, tables, biases, wrows, head_norms, act = layer
+    q, k, v = decoder_pre(x, norms, eps, weights, tables, biases, wrows, head_norms, cos, sin, H, Hk, d)
     for g in range(Hk):
         for j in range(d):
-            kbuf[g, n, j] = narrow(k[g * d + j], kbuf[g, n, j])
-            vbuf[g, n, j] = narrow(v[g * d + j], vbuf[g, n, j])
+            kbuf[g, slot, j] = narrow(k[g * d + j], kbuf[g, slot, j])
+            vbuf[g, slot, j] = narrow(v[g * d + j], vbuf[g, slot, j])
     q3 = q.reshape(Hk, H // Hk, d)
     far = q3
     if c > 0:
@@ -193,21 +196,24 @@ def decoder_layer(x, layer, cos, sin, kbuf, vbuf, n, scale, H, Hk, d, turn, k0bu
                     for j in range(d):
                         far[i, g, j] += a * turn[m, j]
     attn = np.empty((Hk, H // Hk, d), np.float32)
-    dense_decode_fused(q3, kbuf, vbuf, n + 1, scale, np.float32(0.0), far, k0buf, c, attn)
-    return decoder_post(x, attn.reshape(H * d), norms, eps, weights, tables, biases, rows, act)
+    dense_decode_fused(q3, kbuf, vbuf, rows, scale, cap, far, k0buf, c, attn)
+    return decoder_post(x, attn.reshape(H * d), norms, eps, weights, tables, biases, wrows, act)
 
 
 @njit(fastmath=True, cache=True)
-def decoder_layers(x, layers, kbufs, vbufs, ns, cos, sin, scale, H, Hk, d):
+def decoder_layers(x, layers, kbufs, vbufs, slots, rows, angle, coss, sins, scales, caps, H, Hk, d):
     """Every layer of a step through :func:`decoder_layer`, none of them clamped, in one call:
     ``layers`` (a typed list) holds each layer's values, ``kbufs``/``vbufs`` (typed lists) its
-    row buffers and ``ns`` its rows before the step. One call instead of one a layer (each call
-    unboxes some twenty-five arrays and its tuples): the embedded model's 1k step 27.9 against
-    31.6 ms on a 2-core AVX2 machine (medians of 16 alternated blocks of 16 steps)."""
+    row buffers, ``slots``/``rows`` its new row's slot and the rows it attends, ``angle`` the row
+    of ``coss``/``sins`` (kinds, d) its RoPE takes, ``scales``/``caps`` its scores' scale and
+    cap. One call instead of one a layer (each call unboxes some twenty-five arrays and its
+    tuples): the embedded model's 1k step 27.9 against 31.6 ms on a 2-core AVX2 machine
+    (medians of 16 alternated blocks of 16 steps)."""
     no_turn = np.zeros((d, d), np.float32)
     no_k0 = np.zeros((Hk, 0, d), np.float32)
     for i in range(len(layers)):
-        x = decoder_layer(x, layers[i], cos, sin, kbufs[i], vbufs[i], ns[i], scale, H, Hk, d, no_turn, no_k0, 0)
+        x = decoder_layer(x, layers[i], coss[angle[i]], sins[angle[i]], kbufs[i], vbufs[i], slots[i], rows[i],
+                          scales[i], caps[i], H, Hk, d, no_turn, no_k0, 0)
     return x
 
 
@@ -297,16 +303,22 @@ class FusedLayers:
                    for mods, layer in zip(self.modules, model.model.layers, strict=False))
 
 
-def dense_rows(cache: Any, num_layers: int) -> list | None:
-    """The cache's layers where each is a plain dense growing layer holding the prompt in float32
-    (its decode dtypes allowed: float16 keys, bfloat16 values), else None."""
+def whole_rows(cache: Any, num_layers: int) -> list | None:
+    """The cache's layers where each can take a whole fused layer: a plain dense growing layer
+    holding the prompt in float32 (its decode dtypes allowed: float16 keys, bfloat16 values), or
+    a window layer of float32 rows (its ring); else None."""
     from .cache.dense import GrowingLayer
+    from .cache.window import WindowLayer
 
     layers = getattr(cache, "layers", None)
     if layers is None or len(layers) < num_layers:
         return None
     for layer in layers[:num_layers]:
-        if (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
+        if type(layer) is WindowLayer:
+            if (not layer.is_initialized or layer.record_past or layer.keys.dim() != 4 or layer.keys.shape[0] != 1
+                    or layer.keys.dtype != torch.float32 or layer.values.dtype != torch.float32):
+                return None
+        elif (type(layer) is not GrowingLayer or not layer.is_initialized or layer._k is None
                 or layer.decode_dtype not in (None, torch.bfloat16)
                 or layer._k.dtype not in (torch.float32, layer.key_dtype)
                 or layer._v.dtype not in (torch.float32, layer.decode_dtype)
@@ -328,58 +340,79 @@ def _typed_list(items: list):
     return out
 
 
-def _row_lists(layers: list):
-    """The layers' key and value buffers as :func:`~icecache.cache.dense.kernel_rows` arrays in
-    two typed lists, kept on the first layer while no buffer changes (a buffer grows every
-    ``min_capacity`` rows or more; making the lists takes about a millisecond), or None where
-    the layers' buffers differ in dtype."""
+def _row_lists(layers: list, bufs: list):
+    """The layers' key and value buffers ``bufs`` ((keys, values) tensors a layer) as
+    :func:`~icecache.cache.dense.kernel_rows` arrays in two typed lists, kept on the first layer
+    while no buffer changes (a buffer grows every ``min_capacity`` rows or more; making the lists
+    takes about a millisecond), or None where the buffers differ in dtype."""
     keep = getattr(layers[0], "_fused_rows", None)
-    if (keep is not None and len(keep[0]) == len(layers)
-            and all(k is layer._k and v is layer._v for k, v, layer in zip(keep[0], keep[1], layers, strict=True))):
+    if (keep is not None and len(keep[0]) == len(bufs)
+            and all(a is k and b is v for a, b, (k, v) in zip(keep[0], keep[1], bufs, strict=True))):
         return keep[2]
     lists = None
-    bufs = [(kernel_rows(layer._k[0]), kernel_rows(layer._v[0])) for layer in layers]
-    if all(k is not None and v is not None for k, v in bufs):
-        ks, vs = _typed_list([k for k, _ in bufs]), _typed_list([v for _, v in bufs])
+    rows = [(kernel_rows(k[0]), kernel_rows(v[0])) for k, v in bufs]
+    if all(k is not None and v is not None for k, v in rows):
+        ks, vs = _typed_list([k for k, _ in rows]), _typed_list([v for _, v in rows])
         lists = None if ks is None or vs is None else (ks, vs)
-    layers[0]._fused_rows = ([layer._k for layer in layers], [layer._v for layer in layers], lists)
+    layers[0]._fused_rows = ([k for k, _ in bufs], [v for _, v in bufs], lists)
     return lists
 
 
-def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
-               heads: int, kv_heads: int, d: int, scale: float) -> torch.Tensor:
+def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, angles: list, heads: int, kv_heads: int,
+               d: int, scales: np.ndarray, caps: np.ndarray) -> torch.Tensor:
     """Every decoder layer of one step through :func:`decoder_layer`, each cache layer grown by
-    the step's row as its ``update`` would grow it; ``x`` (D,) float32 -> (D,). Where no layer
+    the step's row as its ``update`` would grow it (a window layer: its ring); ``x`` (D,)
+    float32 -> (D,); ``angles[i]`` layer ``i``'s (cos, sin), d values each (one pair per RoPE
+    kind), ``scales``/``caps`` (L,) float32 its scores' scale and cap (0: none). Where no layer
     clamps its distances and the layers' values and buffers each share one type, one call
     (:func:`decoder_layers`); otherwise a call a layer."""
+    from .cache.window import WindowLayer
+
     xn = x.detach().contiguous().numpy()
-    cn, sn = cos.detach().contiguous().numpy(), sin.detach().contiguous().numpy()
-    clamps = []
+    kinds: dict = {}
+    angle = np.array([kinds.setdefault(id(cos), len(kinds)) for cos, _ in angles], np.int64)
+    firsts = {}
+    for (cos, sin), k in zip(angles, angle, strict=True):
+        firsts.setdefault(k, (cos, sin))
+    coss = np.stack([firsts[k][0].detach().reshape(-1).numpy() for k in range(len(kinds))]).astype(np.float32)
+    sins = np.stack([firsts[k][1].detach().reshape(-1).numpy() for k in range(len(kinds))]).astype(np.float32)
+    clamps, slots, rows, bufs = [], [], [], []
     for layer in layers:
-        n = layer._n
-        layer.take_decode_dtype()
-        if n + 1 > layer._k.shape[2]:
-            layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
-        clamps.append(layer.clamp_rows(n + 1))
+        if type(layer) is WindowLayer:
+            slot, n = layer.ring_slot()
+            clamps.append(None)
+            bufs.append(layer._ring)
+        else:
+            slot = n = layer._n
+            layer.take_decode_dtype()
+            if n + 1 > layer._k.shape[2]:
+                layer._reserve(n + 1, layer._k[:, :, :1], layer._v[:, :, :1])
+            clamps.append(layer.clamp_rows(n + 1))
+            bufs.append((layer._k, layer._v))
+            n += 1
+        slots.append(slot)
+        rows.append(n)
     typed = fused.typed() if all(c is None for c in clamps) else None
-    rows = _row_lists(layers) if typed is not None else None
-    if rows is not None:
-        ns = np.array([layer._n for layer in layers], np.int64)
-        xn = decoder_layers(xn, typed, rows[0], rows[1], ns, cn, sn, np.float32(scale), heads, kv_heads, d)
+    lists = _row_lists(layers, bufs) if typed is not None else None
+    if lists is not None:
+        xn = decoder_layers(xn, typed, lists[0], lists[1], np.array(slots, np.int64), np.array(rows, np.int64),
+                            angle, coss, sins, scales, caps, heads, kv_heads, d)
     else:
         no_turn = np.zeros((d, d), np.float32)
-        for values, layer, clamp in zip(fused.layers, layers, clamps, strict=True):
-            kbuf, vbuf = kernel_rows(layer._k[0]), kernel_rows(layer._v[0])
+        for i, (values, (kb, vb), clamp) in enumerate(zip(fused.layers, bufs, clamps, strict=True)):
             if clamp is None:
                 turn, k0buf, c = no_turn, np.zeros((kv_heads, 0, d), np.float32), 0
             else:
-                turn, k0buf, c = clamp[1].contiguous().numpy(), layer._k0.numpy(), clamp[0].shape[1]
-            xn = decoder_layer(xn, values, cn, sn, kbuf, vbuf, layer._n, np.float32(scale), heads, kv_heads, d,
-                               turn, k0buf, c)
+                turn, k0buf, c = clamp[1].contiguous().numpy(), layers[i]._k0.numpy(), clamp[0].shape[1]
+            xn = decoder_layer(xn, values, coss[angle[i]], sins[angle[i]], kernel_rows(kb[0]), kernel_rows(vb[0]),
+                               slots[i], rows[i], scales[i], caps[i], heads, kv_heads, d, turn, k0buf, c)
     for layer in layers:
-        layer._n += 1
-        layer.keys = layer._k[:, :, : layer._n]
-        layer.values = layer._v[:, :, : layer._n]
+        if type(layer) is WindowLayer:
+            layer.ring_step()
+        else:
+            layer._n += 1
+            layer.keys = layer._k[:, :, : layer._n]
+            layer.values = layer._v[:, :, : layer._n]
     return torch.from_numpy(xn)
 
 

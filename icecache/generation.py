@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from .cache import IceCache
-from .cache.window import seen
+from .cache.window import kv_in_order, seen
 from .chat import cut_at_cue, stop_cues, stop_token_ids
 from .config import Settings
 from .doc_prefix import DocPrefixes
@@ -110,7 +110,7 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     seconds = time.perf_counter() - t0
     queries, grids = record.recorded(), record.grids()
     record.start(0)
-    return Prefilled(list(ids), [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers],
+    return Prefilled(list(ids), [tuple(t.clone() for t in kv_in_order(layer)) for layer in cache.layers],
                      out.logits[0, -1], seconds, dict(queries), dict(grids))
 
 

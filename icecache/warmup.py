@@ -108,10 +108,12 @@ def compile_cache() -> None:
              np.zeros((0, 16), f32), SILU)
     for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
         kbuf, vbuf = np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd)
-        decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, f32(0.25),
-                      4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
-        decoder_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]),
-                       np.zeros(1, np.int64), np.ones(16, f32), np.zeros(16, f32), f32(0.25), 4, 2, 16)
+        decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, 1, f32(0.25),
+                      f32(0.0), 4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
+        one = np.ones(1, np.int64)
+        decoder_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]), one - 1,
+                       one, one - 1, np.ones((1, 16), f32), np.zeros((1, 16), f32), np.full(1, 0.25, f32),
+                       np.zeros(1, f32), 4, 2, 16)
 
 
 def convert_embedded() -> None:

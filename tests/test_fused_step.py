@@ -48,12 +48,13 @@ def forced_logits(model, cache, prompt: list[int], forced: list[int], step=None)
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("method", ["dense", "ice", "full"])
 def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
-    """``dense``, and ``ice`` on a run short enough to keep every layer dense, whole layers where
-    the model attends alike in every layer; otherwise (Gemma's window layers, Gemma 2's capped
-    scores, Gemma 3's RoPE per layer kind) and with ``full`` (transformers' cache and attention)
-    the layers' two parts around the cache's attention (qwen2: q/k/v biases; qwen3 and gemma3:
-    per-head q/k norms; Gemma: norms by ``1 + weight`` around attention and MLP, GELU): each of
-    64 steps' logits within float rounding of the float model's forward over the same values."""
+    """``dense``, and ``ice`` on a run short enough to keep every layer dense, whole layers (Gemma:
+    its window layers' rings, Gemma 2's capped scores, Gemma 3's RoPE per layer kind); ``full``
+    (transformers' cache and attention) the layers' two parts around the cache's attention
+    (qwen2: q/k/v biases; qwen3 and gemma3: per-head q/k norms; Gemma: norms by ``1 + weight``
+    around attention and MLP, GELU): each of 64 steps' logits within float rounding of the float
+    model's forward over the same values (the prompt longer than the tiny Gemmas' window of 24,
+    so their rings wrap)."""
     float_model, model = exact_int4(arch)
     g = torch.Generator().manual_seed(7)
     prompt = torch.randint(0, 97, (90,), generator=g).tolist()
@@ -66,9 +67,7 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
     prepare_model(method, model, settings, total)
     calls, whole = [], []
     step = FastStep(model)
-    alike = arch not in ("gemma2", "gemma3")
-    assert step.whole == alike
-    name = "run_split" if method == "full" or not alike else "run_layers"
+    name = "run_split" if method == "full" else "run_layers"
     real = getattr(fast_step, name)
     monkeypatch.setattr(fast_step, name, lambda *a: calls.append(1) or real(*a))
     one_call = fused_step.decoder_layers
@@ -214,7 +213,10 @@ def test_the_row_lists_follow_the_layers_buffers():
     takes its 16-bit dtype, none where the layers' buffers differ in dtype (a layer whose keys
     float16 cannot hold keeps float32 keys): the one call then gives way to a call a layer."""
     from icecache.cache.dense import GrowingLayer
-    from icecache.fused_step import _row_lists
+    from icecache.fused_step import _row_lists as row_lists
+
+    def _row_lists(layers):
+        return row_lists(layers, [(g._k, g._v) for g in layers])
 
     def layer(scale):
         g = GrowingLayer(torch.bfloat16)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 import torch
 
-from icecache.cache.window import WindowLayer, window_sizes
+from icecache.cache.window import WindowLayer, kv_in_order, window_sizes
 from icecache.methods import METHODS, make_cache
 from tests.test_ice_cache import tiny_model
 from tests.test_pinned import SETTINGS
@@ -60,8 +60,8 @@ def test_every_method_keeps_the_window_layers_to_their_window(gemma, method):
     assert all(torch.isfinite(x).all() for x in logits)
     kinds = [type(layer) for layer in cache.layers]
     assert kinds[:3] == [type(cache.layers[0])] * 3
-    windows = cache.layers[:3]
-    assert all(layer.keys.shape[2] < 24 for layer in windows)
+    windows = cache.layers[:3]  # (a window layer's decode ring: the window; its rows in order: less)
+    assert all(layer.keys.shape[2] <= 24 and kv_in_order(layer)[0].shape[2] < 24 for layer in windows)
     if method != "full":
         assert all(isinstance(layer, WindowLayer) for layer in windows)
         assert not isinstance(cache.layers[3], WindowLayer)
@@ -77,7 +77,7 @@ def test_a_sparse_prefill_with_remapped_positions_runs_the_window_layers_as_they
     logits, cache = run(gemma, method, SETTINGS.replace(prefill="sparse", positions="remap"))
     assert all(torch.isfinite(x).all() for x in logits)
     assert cache.remap is not None and cache.remap.frame is not None
-    assert all(isinstance(layer, WindowLayer) and layer.keys.shape[2] < 24 for layer in cache.layers[:3])
+    assert all(isinstance(layer, WindowLayer) and layer.in_order()[0].shape[2] < 24 for layer in cache.layers[:3])
 
 
 def test_the_memory_estimate_counts_a_window_layer_as_its_window():
@@ -113,3 +113,37 @@ def test_a_shared_prefill_adopted_with_window_layers_decodes_as_the_methods_own(
     pre = prefill_once(loaded, SETTINGS, PROMPT)
     adopted, _ = Session(loaded, SETTINGS, method).generate_from(pre, STEPS)
     assert adopted == own
+
+
+def test_the_decode_ring_holds_what_transformers_window_holds():
+    """A window layer's ring (decode steps of one row) against transformers' own layer over the
+    same rows: the same rows in position order (:meth:`WindowLayer.in_order`), the same attention
+    of a query over the rows a step returns (their order aside), the same mask sizes; a prompt
+    chunk after decode steps (the rows put back in order) and a copy go on alike."""
+    import copy
+
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    g = torch.Generator().manual_seed(5)
+    ours, theirs = WindowLayer(6), DynamicSlidingWindowLayer(6)
+
+    def feed(rows: int):
+        k, v = torch.randn(1, 2, rows, 4, generator=g), torch.randn(1, 2, rows, 4, generator=g)
+        assert ours.get_mask_sizes(rows) == theirs.get_mask_sizes(rows)
+        a, b = ours.update(k, v), theirs.update(k, v)
+        q = torch.randn(1, 2, 1, 4, generator=g)
+        assert torch.allclose(torch.softmax(q @ a[0].transpose(-1, -2), -1) @ a[1],
+                              torch.softmax(q @ b[0][:, :, -a[0].shape[2]:].transpose(-1, -2), -1)
+                              @ b[1][:, :, -a[0].shape[2]:], atol=1e-6)
+        for x, y in zip(ours.in_order(), (theirs.keys, theirs.values), strict=True):
+            assert torch.equal(x, y)
+
+    for rows in [3, 1, 1, 1, 1, 1, 1, 1, 1, 4, 1, 1, 1, 1, 1, 1, 1, 1, 1, 1]:
+        feed(rows)
+        if rows == 1:
+            assert ours._ring is not None and ours.keys.shape[2] == min(ours.cumulative_length, 6)
+    twin = copy.deepcopy(ours)
+    assert torch.equal(twin.in_order()[0], ours.in_order()[0])
+    ours = twin
+    for rows in [1, 1, 5, 1]:
+        feed(rows)

@@ -10,12 +10,15 @@ attention scores (transformers' ``softcap`` argument: Gemma 2's ``attn_logit_sof
 
 from __future__ import annotations
 
+import torch
+
 from .chunked import sdpa_forward
 from .current import current
 from .dense import GrowingLayer, dense_attention, dense_decode, windowed_dense
 from .ice import IceCache
 from .ice_layer import IceLayer
 from .positions import RemapDenseLayer
+from .window import WindowLayer
 
 NAME = "icecache"
 _registered = False
@@ -23,8 +26,9 @@ _registered = False
 
 def ice_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """The ice methods' attention: an offloaded ice layer's step is the layer's own
-    :meth:`~.ice_layer.IceLayer.attend`; dense layers and prompt chunks go to SDPA (a sparse
-    prefill's dense layers to :func:`~.dense.windowed_dense`)."""
+    :meth:`~.ice_layer.IceLayer.attend`; a dense layer's or a window layer's decode step
+    :func:`~.dense.dense_decode`; prompt chunks go to SDPA (a sparse prefill's dense layers to
+    :func:`~.dense.windowed_dense`)."""
 
     cache = current()
     layer = cache.layers[module.layer_idx] if isinstance(cache, IceCache) else None
@@ -47,8 +51,15 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
                 return out, None
         return dense_attention(module, query, key, value, attention_mask, scaling=scaling,
                                dropout=dropout, **kwargs)
+    elif isinstance(layer, WindowLayer) and query.shape[0] == 1 and query.shape[2] == 1 and sees_all(attention_mask):
+        return dense_decode(query, key, value, scale, softcap=softcap), None  # its whole window
     return sdpa_forward(module, query, key, value, attention_mask, scaling=scaling,
                         dropout=dropout, **kwargs)
+
+
+def sees_all(mask) -> bool:
+    """Whether an attention mask leaves every key visible (None: no mask)."""
+    return mask is None or (mask.dtype == torch.bool and bool(mask.all()))
 
 
 def register_attention(name: str, fn) -> None:

@@ -28,7 +28,7 @@ from .ice_layer import IceLayer
 from .positions import Remap, RemapDenseLayer
 from .spans import SpanVotes
 from .spec import IceSpec, StepStats
-from .window import WindowLayer
+from .window import WindowLayer, kv_in_order
 
 
 class IceCache(Cache):
@@ -129,7 +129,7 @@ class IceCache(Cache):
     def dense_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values (1, H, T, d) in token order, at their true positions
         (copies for ice layers and remapped dense layers)."""
-        return [layer.dense_kv() if isinstance(layer, (IceLayer, RemapDenseLayer)) else (layer.keys, layer.values)
+        return [layer.dense_kv() if isinstance(layer, (IceLayer, RemapDenseLayer)) else kv_in_order(layer)
                 for layer in self.layers]
 
     def release_indexes(self) -> None:
