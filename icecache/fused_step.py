@@ -11,9 +11,10 @@ product, the residual, the MLP's norms, the MLP, the residual); between them the
 sliding window's included) runs through it (:func:`run_split`). Where every cache layer is a
 plain dense growing layer (:class:`~icecache.cache.dense.GrowingLayer`: the ``dense`` method, and
 ``ice`` while it keeps every layer dense, distances past the trained context clamped or not, its
-rows in float32 or in its 16-bit decode dtypes) and the model attends alike in every layer (one
-RoPE, no window, no capped scores), the whole layer is one call (:func:`decoder_layer`,
-:func:`run_layers`), and every layer of the step one call where none clamps its distances
+rows in float32 or in its 16-bit decode dtypes) or a model's window layer (its decode ring,
+:class:`~icecache.cache.window.WindowLayer`), the whole layer is one call (:func:`decoder_layer`,
+:func:`run_layers`: each layer with its own RoPE kind, scale and cap on its scores), and every
+layer of the step one call where none clamps its distances and their buffers share one dtype
 (:func:`decoder_layers`): the new key and value go into the layer's buffer and attention over its
 rows runs in numba too (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
