@@ -228,7 +228,7 @@ def test_bench_decode_refuses_keys_its_methods_share(quick_profile):
         assert why in bad.stderr.decode() and "Traceback" not in bad.stderr.decode(), methods
 
 
-@pytest.mark.parametrize("rounds", ["1", "2"])
+@pytest.mark.parametrize("rounds", [pytest.param("1", marks=pytest.mark.slow), "2"])  # (one of them, 27 s, in the default suite)
 def test_bench_decode_command_rounds(rounds, quick_profile):
     """`icecache bench decode --rounds`: one method after the other (1) or taking turns (2);
     either way a row per method, ratios to the first."""

@@ -324,6 +324,7 @@ def test_make_cache_for_methods(cpu_settings, loaded):
     assert loaded.model.config._attn_implementation == "sdpa"
 
 
+@pytest.mark.slow  # (51 s; tests/test_prompt_suite.py asks ice and full for standard passkeys in the default suite)
 def test_passkey_ice_answers_what_full_answers(cpu_settings, loaded):
     """The embedded model at ~1k tokens, budget 64; streaming (sink + window) shows it can fail."""
     from icecache.evals import passkey

@@ -109,6 +109,7 @@ def test_kmeans_lowers_its_objective_and_oracle_pages_rank_by_best_member():
     assert g.oracle_pages(page_of, scores, 2).tolist() == [2, 0]
 
 
+@pytest.mark.slow  # (a measurement command end to end, 34 s; its parts are tested above)
 def test_index_command_measures_each_beam_on_the_same_keys():
     """`bench index --beam A,B`: one summary per beam; the beam share, pages, merge and refinement
     are the cpu profile's unless a flag says otherwise (what a decode step walks)."""

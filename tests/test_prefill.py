@@ -246,7 +246,8 @@ LOW = 16  # the smaller budget the forks take
 
 
 @pytest.mark.parametrize("method,positions,spans", [
-    ("ice", "true", 0), pytest.param("ice", "remap", 0, marks=pytest.mark.slow), ("ice", "remap", 3),
+    pytest.param("ice", "true", 0, marks=pytest.mark.slow), pytest.param("ice", "remap", 0, marks=pytest.mark.slow),
+    ("ice", "remap", 3),
     pytest.param("ice-reuse", "true", 0, marks=pytest.mark.slow)])
 def test_fork_to_another_budget_decodes_like_its_own_prefill(cpu_settings, loaded, method, positions, spans):
     """One sparse prefill, forked to other budgets (what eval does per case): each fork's greedy
