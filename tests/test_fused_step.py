@@ -89,8 +89,8 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_every_method_runs_the_split_layers_as_the_torch_step(arch, monkeypatch):
     """Every method (small pages and budgets, as tests/test_fast_step.py): the fused layers' two
-    parts around the method's own cache and attention (whole layers where the cache is dense and
-    the model allows) against the float model's torch step, within float rounding (no choice of
+    parts around the method's own cache and attention (whole layers where every cache layer is
+    dense or a window) against the float model's torch step, within float rounding (no choice of
     pages moved); Gemma 3: its window layers beside the method's global ones."""
     from icecache.methods import names
 
