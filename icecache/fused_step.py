@@ -359,6 +359,18 @@ def _row_lists(layers: list, bufs: list):
     return lists
 
 
+def _angle_table(angles: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each layer's (cos, sin) tensors (the same pair for the layers of one RoPE kind) -> (each
+    layer's row (L,), cos (kinds, d), sin (kinds, d)), a row a kind."""
+    rows: dict = {}
+    for cos, sin in angles:
+        rows.setdefault(id(cos), (len(rows), cos, sin))
+    kinds = list(rows.values())  # (in the order of their rows)
+    return (np.array([rows[id(cos)][0] for cos, _ in angles], np.int64),
+            np.stack([cos.detach().reshape(-1).float().numpy() for _, cos, _ in kinds]),
+            np.stack([sin.detach().reshape(-1).float().numpy() for _, _, sin in kinds]))
+
+
 def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, angles: list, heads: int, kv_heads: int,
                d: int, scales: np.ndarray, caps: np.ndarray) -> torch.Tensor:
     """Every decoder layer of one step through :func:`decoder_layer`, each cache layer grown by
@@ -370,13 +382,7 @@ def run_layers(fused: FusedLayers, layers: list, x: torch.Tensor, angles: list, 
     from .cache.window import WindowLayer
 
     xn = x.detach().contiguous().numpy()
-    kinds: dict = {}
-    angle = np.array([kinds.setdefault(id(cos), len(kinds)) for cos, _ in angles], np.int64)
-    firsts = {}
-    for (cos, sin), k in zip(angles, angle, strict=True):
-        firsts.setdefault(k, (cos, sin))
-    coss = np.stack([firsts[k][0].detach().reshape(-1).numpy() for k in range(len(kinds))]).astype(np.float32)
-    sins = np.stack([firsts[k][1].detach().reshape(-1).numpy() for k in range(len(kinds))]).astype(np.float32)
+    angle, coss, sins = _angle_table(angles)
     clamps, slots, rows, bufs = [], [], [], []
     for layer in layers:
         if type(layer) is WindowLayer:
@@ -443,13 +449,10 @@ def run_split(fused: FusedLayers, attention, x: torch.Tensor, angles: list, head
     output, (1, 1, H, d)) and :func:`decoder_post`: for any cache. ``x`` (D,) float32 -> (D,);
     ``angles[i]`` layer ``i``'s (cos, sin), d values each (Gemma 3: one pair per RoPE kind)."""
     xn = x.detach().contiguous().numpy()
-    made: dict = {}
+    angle, coss, sins = _angle_table(angles)
     for i, (norms, eps, weights, tables, biases, rows, head_norms, act) in enumerate(fused.layers):
-        cos, sin = angles[i]
-        if id(cos) not in made:
-            made[id(cos)] = (cos.detach().reshape(-1).contiguous().numpy(), sin.detach().reshape(-1).contiguous().numpy())
-        cn, sn = made[id(cos)]
-        q, k, v = decoder_pre(xn, norms, eps, weights, tables, biases, rows, head_norms, cn, sn, heads, kv_heads, d)
+        q, k, v = decoder_pre(xn, norms, eps, weights, tables, biases, rows, head_norms, coss[angle[i]], sins[angle[i]],
+                              heads, kv_heads, d)
         out = attention(i, torch.from_numpy(q).view(1, 1, heads, d).transpose(1, 2),
                         torch.from_numpy(k).view(1, 1, kv_heads, d).transpose(1, 2),
                         torch.from_numpy(v).view(1, 1, kv_heads, d).transpose(1, 2))
