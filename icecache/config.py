@@ -35,6 +35,8 @@ CHAT_CHOICES = ("auto", "family", "plain")  # chat_template; icecache.chat.CHOIC
 POSITIONS = ("auto", "true", "remap")
 WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
 MAX_THREADS = 256
+# A CUDA (or ROCm) device needs its driver's device files: NVIDIA's, WSL 2's, AMD's
+GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
 
 
 @dataclass(frozen=True)
@@ -349,7 +351,11 @@ def load_profile(name_or_path: str, base: Settings | None = None) -> Settings:
 
 
 def default_profile_name() -> str:
-    """``cpu`` without CUDA; with CUDA, the shipped GPU profile that fits the device's memory."""
+    """``cpu`` without CUDA; with CUDA, the shipped GPU profile that fits the device's memory.
+    Without a GPU driver's device files (NVIDIA's, WSL's, ROCm's) torch is not asked: importing it
+    takes seconds, and a bad input or ``--help`` should answer at once."""
+    if not any(os.path.exists(p) for p in GPU_DEVICE_FILES):
+        return "cpu"
     import torch
 
     if not torch.cuda.is_available():

@@ -30,11 +30,14 @@ import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+import numpy as np
 
 from .models import cache_root, file_digest
+
+if TYPE_CHECKING:  # torch is imported where a prefix is loaded or saved, not by `icecache cache list`
+    import torch
 
 FORMAT = 1
 KV_FILE, MANIFEST = "kv.safetensors", "manifest.json"
@@ -98,7 +101,7 @@ def _prompt_identity(model: Any, settings: Any) -> dict:
 
 
 def tokens_hash(ids) -> str:
-    return hashlib.sha256(torch.tensor(list(ids), dtype=torch.int64).numpy().tobytes()).hexdigest()
+    return hashlib.sha256(np.asarray(list(ids), dtype=np.int64).tobytes()).hexdigest()
 
 
 def _dir_bytes(path: Path) -> int:

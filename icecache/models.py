@@ -274,9 +274,11 @@ def describe_formats(counts: dict[str, int]) -> str:
 
 
 def check_device(settings: Settings) -> None:
+    if not settings.device.startswith("cuda"):
+        return
     import torch
 
-    if settings.device.startswith("cuda") and not torch.cuda.is_available():
+    if not torch.cuda.is_available():
         raise ModelError(
             f"profile '{settings.name}' runs on {settings.device}, but CUDA is not available "
             "here; use --profile cpu"

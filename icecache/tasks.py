@@ -12,16 +12,13 @@ from typing import Any
 
 from . import doc_cache, prompts
 from .cache.dense import GrowingLayer
+from .checks import SUMMARY_REPETITION_PENALTY, check_generation_room, check_questions, context_limit
 from .config import Settings
 from .errors import InputError
 from .generation import GenerationStats, Progress, Session
 from .memory import check_fits
 from .methods import check_method, dense_kv_dtype, dense_plan, get, plan_run
 from .models import LoadedModel
-
-# Greedy decoding of a small model loops in long free text; a mild penalty on already generated
-# tokens keeps summaries from repeating themselves. Extractive tasks (qa, cot) default to none.
-SUMMARY_REPETITION_PENALTY = 1.15
 
 
 @dataclass
@@ -60,32 +57,6 @@ class TaskResult:
         if self.task == "qa":
             d["questions"] = self.questions
         return d
-
-
-def context_limit(settings: Settings, trained: int | None, method: str = "full") -> int:
-    """Prompt + generation tokens a run may hold: the profile's ``max_context`` when ``method``
-    can prefill sparsely (``prefill: sparse`` or ``auto``: its cost does not grow with the
-    prompt, and ``positions`` keep distances inside the trained range) or the trained context is
-    not known; else the model's trained context."""
-    from .methods import get
-
-    sparse = settings.prefill == "sparse" or (settings.prefill == "auto" and get(method).sparse_prefill)
-    if sparse or not trained or settings.rope_scaling != "none":
-        return settings.max_context
-    return min(trained, settings.max_context)
-
-
-def check_generation_room(max_new_tokens: int, limit: int, model_name: str) -> None:
-    """``--max-new-tokens`` alone must leave room for a prompt in ``limit`` tokens."""
-    if max_new_tokens >= limit:
-        raise InputError(
-            f"--max-new-tokens {max_new_tokens} leaves no room for the document: prompt and "
-            f"generation share {limit} tokens ({model_name}); lower --max-new-tokens")
-
-
-def check_questions(questions: list[str]) -> None:
-    if not questions or any(not q.strip() for q in questions):
-        raise InputError("qa needs at least one non-empty question (-q/--question)")
 
 
 class Runner:

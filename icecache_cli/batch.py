@@ -37,9 +37,9 @@ def batch(
 ) -> None:
     """Process many documents; exit 0 if all succeeded, 3 if some failed (see their records)."""
     from icecache import batch as b
+    from icecache.checks import check_generation_room, check_questions, context_limit
     from icecache.methods import get
     from icecache.models import context_length_of, load_model, resolve_model_source
-    from icecache.tasks import Runner, check_generation_room, check_questions, context_limit
 
     from .tasks import check_budget_flag, set_threads
 
@@ -90,6 +90,8 @@ def batch(
                 raise typer.Exit(0) from None
             failed, failed_before, skipped = tally.failed, tally.failed_before, tally.skipped
         else:
+            from icecache.tasks import Runner
+
             set_threads(settings.cpu_threads, rep)
             loaded = load_model(model, settings, log=rep.info, resolved=resolved)
             failed, failed_before, skipped = _run_local(

@@ -10,7 +10,6 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
-from icecache.bench import llama_cpp
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
 
@@ -45,7 +44,7 @@ def bench_main(
     """
     if context.invoked_subcommand is not None:
         return
-    from icecache.bench import full_bench
+    from icecache.bench import llama_cpp
     from icecache.methods import check_method
     from icecache.models import load_model
 
@@ -71,6 +70,8 @@ def bench_main(
                 "max_seconds": max_seconds, "positions": position_list, "settings": settings.as_dict(),
                 "model": opts.model or "embedded"}, indent=1))
     with user_errors(), Reporter(quiet, panel="icecache bench") as rep:
+        from icecache.bench import full_bench
+
         loaded = load_model(opts.model, settings, log=rep.info)
         results = []
         from icecache.bench import floor as bandwidth
@@ -127,6 +128,8 @@ def bench_main(
 def check_llama_cpp(model: str | None) -> Path:
     """``--methods ...,llama.cpp``: the GGUF file it runs; a one-line error when llama-cpp-python
     is not installed, the model is not a GGUF file, or llama.cpp dies on this CPU."""
+    from icecache.bench import llama_cpp
+
     why = llama_cpp.missing()
     if why is not None:
         raise UsageError(f"--methods {llama_cpp.NAME}: {why}")
@@ -150,13 +153,15 @@ def floor_lines(results: list[dict], n: int, floor_ms: float) -> list[str]:
 def llama_cpp_lines(results: list[dict], n: int) -> list[str]:
     """Each method's TPOT against llama.cpp's at ``n`` tokens (its ``tpot_ratio_vs_llama_cpp``),
     one line each."""
+    from icecache.bench.llama_cpp import NAME
+
     rows = [r for r in results if r["ctx"] == n and r["status"] == "ok"]
-    ref = next((r for r in rows if r["method"] == llama_cpp.NAME), None)
+    ref = next((r for r in rows if r["method"] == NAME), None)
     if ref is None:
         return []
     return [f"{r['method']} at {n} tokens vs llama.cpp: TPOT {r['tpot_ms']:.1f} vs {ref['tpot_ms']:.1f} ms "
             f"({r['tpot_ratio_vs_llama_cpp']:.2f}x llama.cpp's speed), prefill {r['prefill_tok_s']:.0f} vs "
-            f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != llama_cpp.NAME]
+            f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != NAME]
 
 
 def parse_positions(text: str | None, settings) -> list[str]:

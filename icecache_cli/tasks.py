@@ -12,28 +12,24 @@ import os
 import sys
 import threading
 from collections.abc import Callable
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
+from icecache.checks import SUMMARY_REPETITION_PENALTY, check_generation_room, check_questions, context_limit
 from icecache.config import Settings, resolve_settings
 from icecache.documents import read_document
 from icecache.errors import InputError
 from icecache.measure import kv_bytes
 from icecache.methods import check_prefill, get
 from icecache.models import check_device, context_length_of, load_model, resolve_model_source
-from icecache.tasks import (
-    SUMMARY_REPETITION_PENALTY,
-    Runner,
-    TaskResult,
-    check_generation_room,
-    check_questions,
-    context_limit,
-)
 
 from .live import TextStream, memory_now, same_terminal
 from .options import FileArg, RunOptions, max_new_opt, penalty_opt, with_options
 from .output import Reporter, emit, panel_capable, stderr, user_errors, warn, write_out
+
+if TYPE_CHECKING:  # torch and the model code load once a run starts, not for --help or a bad input
+    from icecache.tasks import Runner, TaskResult
 
 WAIT_NOTICE_S = 1.0  # an input that has given nothing for this long gets a line on a terminal
 
@@ -133,6 +129,8 @@ def run_task(
         set_threads(settings.cpu_threads, reporter)
         loaded = load_model(opts.model, settings, log=reporter.info, resolved=resolved)
         reporter.info(f"model ready in {loaded.load_seconds:.1f} s ({settings.name} profile, {settings.device}, {settings.dtype})")
+        from icecache.tasks import Runner
+
         runner = Runner(loaded, settings, method)
         runner.warn = reporter.warn
         runner.note = reporter.info

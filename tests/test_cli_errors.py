@@ -115,3 +115,33 @@ def test_version_and_help():
     assert r.returncode == 0 and r.stdout.decode().startswith("icecache ")
     r = run_cli(["summarize", "--help"])
     assert r.returncode == 0 and "--max-new-tokens" in r.stdout.decode()
+
+
+@pytest.mark.parametrize("args,code", [
+    (["--help"], 0),
+    (["--version"], 0),
+    (["qa", "missing-file.txt", "-q", "Who?"], 2),
+    (["summarize", "--budget", "7", str(EXAMPLE)], 2),
+    (["batch", "missing-folder", "--task", "qa"], 2),
+    (["bench", "--ctx", "1k", "--methods", "nope"], 2),
+    (["cache", "list"], 0),
+])
+def test_help_and_input_errors_answer_without_torch(args, code, tmp_path):
+    """``--help``, ``--version`` and the checks that need no model answer before torch,
+    transformers and numba are imported (seconds on a small machine): the process's modules at
+    its exit."""
+    from icecache.config import GPU_DEVICE_FILES
+
+    if any(os.path.exists(p) for p in GPU_DEVICE_FILES):
+        pytest.skip("a GPU driver is present: the default profile asks torch for the device")
+    probe = ("import atexit, os, sys\n"
+             "heavy = lambda: ','.join(m for m in ('torch', 'transformers', 'numba') if m in sys.modules)\n"
+             "atexit.register(lambda: os.write(2, ('\\nheavy: ' + heavy() + '\\n').encode()))\n"
+             "from icecache_cli.app import main\n"
+             f"sys.argv = ['icecache', *{args!r}]\n"
+             "main()\n")
+    r = subprocess.run([sys.executable, "-c", probe], capture_output=True, cwd=REPO, timeout=120,
+                       env={**os.environ, "NO_COLOR": "1", "ICECACHE_DOC_CACHE": str(tmp_path)})
+    err = r.stderr.decode()
+    assert r.returncode == code, err
+    assert err.rsplit("heavy: ", 1)[1].strip() == "", err

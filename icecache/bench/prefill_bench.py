@@ -51,7 +51,9 @@ def run(loaded, settings, mode: str, ids: list[int], on_progress=None) -> Prefil
     import torch
 
     from ..generation import Session
+    from . import sync_timers
 
+    sync_timers()
     method, changes = MODES[mode]
     s = settings.replace(**changes)
     session = Session(loaded, s, method)

@@ -14,7 +14,11 @@ _done: set = set()
 
 
 def ensure_warm(loaded, settings, methods, sparse: bool = False) -> None:
-    """Each of ``methods`` (and the sparse prefill if ``sparse``) run once, untimed."""
+    """Each of ``methods`` (and the sparse prefill if ``sparse``) run once, untimed; the stage
+    timers synchronized from here on."""
+    from . import sync_timers
+
+    sync_timers()
     from ..generation import Session
     from .decode_bench import context_ids
 
