@@ -193,7 +193,7 @@ def make(kind: str, tokenizer, tokens: int, index: int, seed: int = 0, depth: fl
         doc = _fill(tokenizer, tokens, _sentences(rng), needle, d)
         return DocCase(kind, doc, (Ask(q, value),), depth=d)
     if kind == "report":
-        doc = report_document(tokens, seed * 1000 + index + 1)
+        doc = report_document(tokens, seed * 1000 + index + 1, tokenizer)
         return DocCase(kind, doc, tuple(Ask(q, a) for _s, _f, q, a in REPORT_FACTS))
     if kind == "log":
         service, key = SERVICES[rng.integers(len(SERVICES))], str(int(rng.integers(1000, 9999)))
@@ -265,17 +265,27 @@ def make(kind: str, tokenizer, tokens: int, index: int, seed: int = 0, depth: fl
     raise ValueError(f"unknown kind {kind}")
 
 
-def report_document(tokens: int, seed: int) -> str:
+def report_document(tokens: int, seed: int, tokenizer=None) -> str:
     """Generated prose of about ``tokens`` tokens with :data:`REPORT_FACTS` planted at their
-    shares, each after a sentence's end."""
-    text = generated_text(int(tokens * 0.75), seed=seed)  # about 1.33 tokens per word
-    out, last = [], 0
-    for share, sentence, _q, _a in REPORT_FACTS:
-        at = text.find(". ", int(len(text) * share)) + 2
-        out += [text[last:at], sentence + " "]
-        last = at
-    out.append(text[last:])
-    return "".join(out)
+    shares, each after a sentence's end. With ``tokenizer``, at most ``tokens`` of its tokens
+    (the prose's words make about 1.33 tokens each, a little more for some tokenizers)."""
+    text = generated_text(int(tokens * 0.75), seed=seed)
+
+    def planted(prose: str) -> str:
+        out, last = [], 0
+        for share, sentence, _q, _a in REPORT_FACTS:
+            at = prose.find(". ", int(len(prose) * share)) + 2
+            out += [prose[last:at], sentence + " "]
+            last = at
+        out.append(prose[last:])
+        return "".join(out)
+
+    doc = planted(text)
+    while tokenizer is not None and (have := len(tokenizer(doc)["input_ids"])) > tokens:
+        # cut the prose by the excess and a little more, at a sentence's end
+        text = text[: text.rfind(". ", 0, int(len(text) * (1 - (have - tokens + 4) / have))) + 2]
+        doc = planted(text)
+    return doc
 
 
 def cases(kind: str, tokenizer, tokens: int, n: int, seed: int = 0) -> list[DocCase]:
