@@ -38,6 +38,14 @@ def test_every_kind_is_deterministic_sized_and_states_its_answers(loaded, kind):
             assert abs(at - c.depth) < 0.1, (at, c.depth)
 
 
+def test_a_report_shorter_than_its_facts_still_states_them(loaded):
+    """A length the three facts alone exceed: the report is as short as it gets (no endless
+    cutting) and still states every fact."""
+    doc = suite.make("report", loaded.tokenizer, 30, 0).document
+    assert all(sentence in doc for _s, sentence, _q, _a in suite.REPORT_FACTS)
+    assert len(loaded.tokenizer(doc)["input_ids"]) < 200
+
+
 def test_the_passkey_kind_is_the_standard_format(loaded):
     c = suite.cases("passkey_doc", loaded.tokenizer, 600, 1)[0]
     key = c.asks[0].expected

@@ -283,7 +283,10 @@ def report_document(tokens: int, seed: int, tokenizer=None) -> str:
     doc = planted(text)
     while tokenizer is not None and (have := len(tokenizer(doc)["input_ids"])) > tokens:
         # cut the prose by the excess and a little more, at a sentence's end
-        text = text[: text.rfind(". ", 0, int(len(text) * (1 - (have - tokens + 4) / have))) + 2]
+        cut = text.rfind(". ", 0, int(len(text) * (1 - (have - tokens + 4) / have))) + 2
+        if cut < 2:  # no sentence left to cut: the facts alone are longer than asked
+            break
+        text = text[:cut]
         doc = planted(text)
     return doc
 
