@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from .config import Settings
 from .errors import InputError
+from .methods import get
 
 # Greedy decoding of a small model loops in long free text; a mild penalty on already generated
 # tokens keeps summaries from repeating themselves. Extractive tasks (qa, cot) default to none.
@@ -17,8 +18,6 @@ def context_limit(settings: Settings, trained: int | None, method: str = "full")
     can prefill sparsely (``prefill: sparse`` or ``auto``: its cost does not grow with the
     prompt, and ``positions`` keep distances inside the trained range) or the trained context is
     not known; else the model's trained context."""
-    from .methods import get
-
     sparse = settings.prefill == "sparse" or (settings.prefill == "auto" and get(method).sparse_prefill)
     if sparse or not trained or settings.rope_scaling != "none":
         return settings.max_context

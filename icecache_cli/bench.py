@@ -10,6 +10,7 @@ import typer
 from rich.markup import escape
 from rich.table import Table
 
+from icecache.bench import llama_cpp  # (light: the bench package imports torch only where a bench runs)
 from icecache.config import resolve_settings
 from icecache.errors import UsageError
 
@@ -44,7 +45,6 @@ def bench_main(
     """
     if context.invoked_subcommand is not None:
         return
-    from icecache.bench import llama_cpp
     from icecache.methods import check_method
     from icecache.models import load_model
 
@@ -128,8 +128,6 @@ def bench_main(
 def check_llama_cpp(model: str | None) -> Path:
     """``--methods ...,llama.cpp``: the GGUF file it runs; a one-line error when llama-cpp-python
     is not installed, the model is not a GGUF file, or llama.cpp dies on this CPU."""
-    from icecache.bench import llama_cpp
-
     why = llama_cpp.missing()
     if why is not None:
         raise UsageError(f"--methods {llama_cpp.NAME}: {why}")
@@ -153,15 +151,13 @@ def floor_lines(results: list[dict], n: int, floor_ms: float) -> list[str]:
 def llama_cpp_lines(results: list[dict], n: int) -> list[str]:
     """Each method's TPOT against llama.cpp's at ``n`` tokens (its ``tpot_ratio_vs_llama_cpp``),
     one line each."""
-    from icecache.bench.llama_cpp import NAME
-
     rows = [r for r in results if r["ctx"] == n and r["status"] == "ok"]
-    ref = next((r for r in rows if r["method"] == NAME), None)
+    ref = next((r for r in rows if r["method"] == llama_cpp.NAME), None)
     if ref is None:
         return []
     return [f"{r['method']} at {n} tokens vs llama.cpp: TPOT {r['tpot_ms']:.1f} vs {ref['tpot_ms']:.1f} ms "
             f"({r['tpot_ratio_vs_llama_cpp']:.2f}x llama.cpp's speed), prefill {r['prefill_tok_s']:.0f} vs "
-            f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != NAME]
+            f"{ref['prefill_tok_s']:.0f} tokens/s" for r in rows if r["method"] != llama_cpp.NAME]
 
 
 def parse_positions(text: str | None, settings) -> list[str]:

@@ -16,12 +16,11 @@ _done: set = set()
 def ensure_warm(loaded, settings, methods, sparse: bool = False) -> None:
     """Each of ``methods`` (and the sparse prefill if ``sparse``) run once, untimed; the stage
     timers synchronized from here on."""
-    from . import sync_timers
-
-    sync_timers()
     from ..generation import Session
+    from . import sync_timers
     from .decode_bench import context_ids
 
+    sync_timers()
     page = settings.page_size
     n = settings.budget + (settings.sink_pages + settings.window_pages) * page + 16 * page
     s = settings.replace(chunk_size=max(page, n // 4 // page * page), prefill="full",
