@@ -306,7 +306,7 @@ def test_placed_keys_decode_equals_the_region_reference(rope, keep):
     """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
     the fused attention with the query at its true position) equals the reference that rotates
     the query per region (remap_decode), with token-order offsets per head."""
-    from icecache.cache.paged import paged_decode_sdpa
+    from icecache.cache.paged import paged_decode_placed, paged_decode_reference, paged_decode_sdpa
     from icecache.cache.positions import ordered_offsets, place_keys
 
     model = llama(ROPES[rope])
@@ -336,6 +336,12 @@ def test_placed_keys_decode_equals_the_region_reference(rope, keep):
     want = remap_decode(qs, k, v, valid, s_cap, s_cap + P, 0.125, pool_k)
     torch.testing.assert_close(got, want, atol=2e-4, rtol=1e-3)
     assert torch.equal(placed[:, s_cap + P :], k[:, s_cap + P :])  # the window untouched
+    # the CPU kernel that turns each row as it scores it (no placed copy), capped scores too
+    where = (frame, s, s_cap, s_cap + P, pos - D, offset, count)
+    torch.testing.assert_close(paged_decode_placed(q, k, v, valid, 0.125, None, *where), got, atol=1e-5, rtol=1e-4)
+    capped = paged_decode_reference(q, placed, v, valid, 0.125, 2.0)
+    assert not torch.allclose(capped, got, atol=1e-3)
+    torch.testing.assert_close(paged_decode_placed(q, k, v, valid, 0.125, 2.0, *where), capped, atol=1e-5, rtol=1e-4)
 
 
 def test_ordered_offsets_pack_rows_one_apart():

@@ -27,11 +27,13 @@ from .paged import (
     chunk_positions,
     paged_chunk_flash,
     paged_chunk_sdpa,
+    paged_decode_placed,
     paged_decode_rest,
     paged_decode_sdpa,
     paged_decode_weighted,
 )
-from .placement import placed
+from .placement import placed, placing
+from .positions import place_keys
 from .rest import RestPages, step_rest
 
 
@@ -80,19 +82,26 @@ class DecodeStep:
         self.load()
         t0 = time.perf_counter()
         k, v, valid = r.tensors()
+        place = None
         if self.remap is not None:
             # the pages end just beyond the window, the sink just before them: the keys are placed
-            # there (one rotation) and the query stays at its true position
-            k = placed(k, r, self.remap, self.passages, self.length, self.length - 1 - page_distance)
+            # there (one rotation, made as the rows are scored where the kernel can) and the query
+            # stays at its true position
+            pages_at = self.length - 1 - page_distance
+            offset, count = placing(r, self.remap, self.passages, self.length, pages_at)
+            place = (self.remap.frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+        rest = self.rest_rows() if self.kernel == "rest" else None  # (true positions only)
         if self.kernel == "weighted":
+            if place is not None:
+                k = place_keys(place[0], k, *place[1:])
             bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)
             out = paged_decode_weighted(q, k, v, valid, bias, r.pool_at, scale, softcap)
+        elif rest is not None:
+            out = paged_decode_rest(q, k, v, valid, rest, scale, softcap)
+        elif place is not None:
+            out = paged_decode_placed(q, k, v, valid, scale, softcap, *place)
         else:
-            rest = self.rest_rows() if self.kernel == "rest" else None
-            if rest is not None:
-                out = paged_decode_rest(q, k, v, valid, rest, scale, softcap)
-            else:
-                out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
+            out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)

@@ -49,6 +49,26 @@ def paged_decode_sdpa(q, k, v, valid, scaling, softcap=None):
     return out[:, 0]
 
 
+def paged_decode_placed(q, k, v, valid, scaling, softcap, frame, sink_fill: int, pool_at: int, window_at: int,
+                        pages_at: int, offset, count):
+    """:func:`paged_decode_sdpa` over the keys as :func:`~.positions.place_keys` places them
+    (remapped positions: the sink and pool rows turned to end at ``pages_at``). On the CPU in
+    float32 one numba call turns each row as it scores it (no copy of the keys); elsewhere, and
+    as its reference, the placed copy and then :func:`paged_decode_sdpa`."""
+    from .positions import place_keys, place_tables
+
+    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32:
+        from .score_kernels import paged_decode_fused
+
+        place = place_tables(frame, sink_fill, pool_at, window_at, pages_at, offset, count)
+        out = torch.empty(q.shape, dtype=torch.float32)
+        paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
+                           valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy(), place)
+        return out
+    k = place_keys(frame, k, sink_fill, pool_at, window_at, pages_at, offset, count)
+    return paged_decode_sdpa(q, k, v, valid, scaling, softcap)
+
+
 def weighted_mask(valid: torch.Tensor, bias: torch.Tensor, pool_at: int) -> torch.Tensor:
     """valid (H, L) and per query head log-weights of the pool rows ``bias`` (H, G, R), the pool
     at rows ``pool_at .. pool_at + R`` -> an additive mask (H, G, L): 0 on the other valid rows,

@@ -20,6 +20,14 @@ def placed(k: torch.Tensor, r: ResidentKV, remap: Remap, passages: AnswerPassage
            pages_at: int) -> torch.Tensor:
     """A copy of the resident keys ``k`` of a layer holding ``length`` tokens, with the pool rows
     (un-rotated) placed to end at ``pages_at`` (in token order) and the sink just before them."""
+    offset, count = placing(r, remap, passages, length, pages_at)
+    return place_keys(remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+
+
+def placing(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length: int,
+            pages_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`placed`'s placement without the keys: each pool row's offset before ``pages_at``
+    (H, P) and each head's span (H,), the sink just before it (:func:`~.positions.place_keys`)."""
     valid = r.valid[:, r.pool_at : r.window_at]
     rows = r.window_at - r.pool_at
     top = pages_at - r.sink_fill  # the host row of the token at pages_at
@@ -33,7 +41,7 @@ def placed(k: torch.Tensor, r: ResidentKV, remap: Remap, passages: AnswerPassage
     offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, top, keep)
     if remap.pin_gap and pinned:
         offset, count = behind_pinned(offset, count, valid, room, r, remap, passages, with_sink)
-    return place_keys(remap.frame, k, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+    return offset, count
 
 
 def behind_pinned(offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray, room: int, r: ResidentKV,

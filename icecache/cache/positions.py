@@ -202,11 +202,8 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     if fast and k.device.type == "cpu" and k.dtype == torch.float32:
         from .kernels import place_rows
 
-        off, cnt = offset.numpy(), count.numpy().astype(np.int64)
-        need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
-        cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), "cpu")
-        return torch.from_numpy(place_rows(k.contiguous().numpy(), off, cnt, sink_fill, pool_at,
-                                           cos_t.numpy(), sin_t.numpy(), frame.rotary_dim))
+        return torch.from_numpy(place_rows(k.contiguous().numpy(),
+                                           *place_tables(frame, sink_fill, pool_at, window_at, pages_at, offset, count)))
     idx = torch.empty(H, window_at, dtype=torch.int64)
     idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
     idx[:, pool_at:] = offset
@@ -217,6 +214,17 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
     moved = frame.rotate_by(k[:, :window_at], cos, sin)
     return torch.cat([moved, k[:, window_at:]], dim=1)
+
+
+def place_tables(frame: RopeFrame, sink_fill: int, pool_at: int, window_at: int, pages_at: int,
+                 offset: torch.Tensor, count: torch.Tensor) -> tuple:
+    """:func:`place_keys`'s placement as the CPU kernels take it (:func:`~.kernels.place_rows`,
+    :func:`~.score_kernels.paged_decode_fused`): offsets (H, P) and counts (H,) int64, the
+    sink fill, the pool's first row, the cos and sin tables (R, rotary) float32, rotary."""
+    off, cnt = offset.numpy(), count.numpy().astype(np.int64)
+    need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
+    cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), "cpu")
+    return off, cnt, sink_fill, pool_at, cos_t.numpy(), sin_t.numpy(), frame.rotary_dim
 
 
 def _table_rows(need: int, window_at: int) -> int:

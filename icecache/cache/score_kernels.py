@@ -108,11 +108,13 @@ def _narrow(x, like):
 
 
 @njit(nogil=True, fastmath=True, cache=True)
-def _score_rows(q, k, h, lo, hi, out):
+def _score_rows(q, k, h, lo, hi, out, shift=0, kh=-1):
     """out[h, g, t] = q[h, g] . k[h, t] for rows lo..hi-1: four queries of the group per pass
     over a row (scalar accumulators that stay in registers; the last pass repeats a query
-    when G is not a multiple of four and drops its copy)."""
+    when G is not a multiple of four and drops its copy). ``shift``, ``kh`` (>= 0): the keys are
+    ``k[kh, t + shift]`` instead (a buffer of turned rows)."""
     G, d = q.shape[1], q.shape[2]
+    kh = h if kh < 0 else kh
     for g0 in range(0, G, 4):
         g1, g2, g3 = min(g0 + 1, G - 1), min(g0 + 2, G - 1), min(g0 + 3, G - 1)
         for t in range(lo, hi):
@@ -121,7 +123,7 @@ def _score_rows(q, k, h, lo, hi, out):
             a2 = np.float32(0.0)
             a3 = np.float32(0.0)
             for j in range(d):
-                x = widen(k[h, t, j])
+                x = widen(k[kh, t + shift, j])
                 a0 += q[h, g0, j] * x
                 a1 += q[h, g1, j] * x
                 a2 += q[h, g2, j] * x
@@ -217,19 +219,51 @@ def _kept(valid, h, t):
 EMPTY = np.float32(-3.0e38)  # a block's maximum when the mask leaves it no row (its weight: 0)
 
 
+@njit(nogil=True, fastmath=True, cache=True)
+def _score_rows_placed(q, k, h, lo, hi, out, place):
+    """:func:`_score_rows` where the sink and pool rows turn to their remapped places first, as
+    :func:`~.kernels.place_rows` turns them (``place``: its offsets, counts, sink fill, pool
+    start and rotation tables, :func:`paged_decode_fused`): the block's turned rows go to a
+    buffer and are scored there, so that no copy of the layer's keys is made."""
+    offset, count, sink_fill, pool_at, cos_t, sin_t, rotary = place
+    d = q.shape[2]
+    half = rotary // 2
+    moved = min(hi, pool_at + offset.shape[1])
+    if moved > lo:
+        rows = np.empty((1, moved - lo, d), np.float32)
+        for t in range(lo, moved):
+            r = count[h] + sink_fill - 1 if t < pool_at else offset[h, t - pool_at]
+            i = t - lo
+            for c in range(half):
+                x1 = k[h, t, c]
+                x2 = k[h, t, c + half]
+                rows[0, i, c] = x1 * cos_t[r, c] + (-x2) * sin_t[r, c]
+                rows[0, i, c + half] = x2 * cos_t[r, c + half] + x1 * sin_t[r, c + half]
+            for c in range(rotary, d):
+                rows[0, i, c] = k[h, t, c]
+        _score_rows(q, rows, h, lo, moved, out, -lo, 0)
+    if hi > moved:
+        _score_rows(q, k, h, max(lo, moved), hi, out)
+
+
 @njit(fastmath=True, cache=True)
-def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, total, part, valid=None):
+def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, total, part, valid=None,
+                 place=None):
     """Block ``b`` of head ``h`` in :func:`dense_decode_fused`, rows ``b * per`` on (one task; a
     caller's own parallel loop can run it): its scores, their maximum and sum of exponentials,
     its weighted values.
     ``valid`` (H, >= n) bool: the rows it leaves out weigh nothing (an empty block: maximum
-    :data:`EMPTY`, sum 0; :func:`paged_decode_fused`); None: every row."""
+    :data:`EMPTY`, sum 0; :func:`paged_decode_fused`); None: every row. ``place``: the sink and
+    pool rows turn to remapped places as they are scored (:func:`_score_rows_placed`)."""
     G, d = q.shape[1], q.shape[2]
     lo, hi = b * per, min(n, (b + 1) * per)
-    if lo < c:
-        _score_rows(far_q, k0, h, lo, min(hi, c), scores)
-    if hi > c:
-        _score_rows(q, k, h, max(lo, c), hi, scores)
+    if place is not None:
+        _score_rows_placed(q, k, h, lo, hi, scores, place)
+    else:
+        if lo < c:
+            _score_rows(far_q, k0, h, lo, min(hi, c), scores)
+        if hi > c:
+            _score_rows(q, k, h, max(lo, c), hi, scores)
     for g in range(G):
         m = EMPTY
         for t in range(lo, hi):
@@ -306,11 +340,14 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def paged_decode_fused(q, k, v, valid, scale, cap, out):
+def paged_decode_fused(q, k, v, valid, scale, cap, out, place=None):
     """softmax(scores) v over the rows ``valid`` (H, L) allows, scores = ``scale * q . k``
     (capped to ``cap * tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, L, d)
     float32; out (H, G, d). Every head needs a valid row. The reference is
-    :func:`~.paged.paged_decode_reference`."""
+    :func:`~.paged.paged_decode_reference`. ``place`` (offset (H, P) int64, count (H,) int64,
+    sink fill, pool start, cos and sin tables (R, rotary) float32, rotary): the keys as
+    :func:`~.kernels.place_rows` would place them (remapped positions), without the copy; the
+    reference is :func:`~.positions.place_keys` then :func:`~.paged.paged_decode_reference`."""
     H, G, d = q.shape
     n = k.shape[1]
     per = block_rows(n, H)
@@ -321,5 +358,5 @@ def paged_decode_fused(q, k, v, valid, scale, cap, out):
     part = np.empty((H, blocks, G, d), np.float32)
     for task in prange(H * blocks):
         decode_block(q, k, v, n, scale, cap, q, k, 0, task // blocks, task % blocks, per, scores, top, total, part,
-                     valid)
+                     valid, place)
     join_blocks(top, total, part, out)
