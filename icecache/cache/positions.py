@@ -100,6 +100,8 @@ class RopeFrame:
         """``x`` (..., n, head_dim) rotated from positions ``src`` to ``dst`` (per row or one
         for all rows); channels past ``rotary_dim`` are left as they are."""
         if isinstance(src, int) and isinstance(dst, int):  # one rotation for all: every layer of a step
+            if x.dtype == torch.float32:  # one product (a decode step's queries: 30 us of ops a layer before)
+                return x @ self.rotation_matrix(src, dst, x.shape[-1], str(x.device))
             cos, sin = self._one_rotation(src, dst, str(x.device))
         else:
             cos, sin = self.rotation(src, dst, x.device)
