@@ -70,7 +70,7 @@ def compile_cache() -> None:
     the dense decode step (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
     head's int8 product, a GGUF layer's grouped bytes and the fused decoder layer."""
-    from .cache.kernels import choose_tokens, ordered_offsets_nb, place_rows, plan_head
+    from .cache.kernels import choose_tokens, ordered_offsets_nb, pinned_offsets_nb, place_rows, plan_head
     from .cache.score_kernels import dense_decode_fused, half_scores, paged_decode_fused
 
     S, P = 4, 2
@@ -93,6 +93,10 @@ def compile_cache() -> None:
     choose_tokens(np.full((P, S), -1, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int64),
                   np.arange(5, dtype=np.int32))
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 10, -1)
+    pool_valid = np.ones((2, 5), np.bool_)[:, 1:4]  # a view of the resident rows' mask, as a step passes it
+    ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1)
+    pinned_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1, 2, 0, True,
+                      np.arange(3, dtype=np.int64), np.zeros(3, np.int64), 1, 3, 4, 100, 0)
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
     compile_loads()

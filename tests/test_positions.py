@@ -630,3 +630,41 @@ def test_pin_gap_moves_the_sink_and_the_budgets_rows_behind_the_pinned_passages(
                                     top, -1)
     moved, spanned = with_gap(10**6, lambda: behind_pinned(offset, count, pool_valid, room, r, layer.remap, passages))
     assert int(moved[torch.from_numpy(pool_valid)].max()) < room and int(spanned.max()) <= room
+
+
+def test_pinned_placement_in_one_call_equals_its_numpy_reference():
+    """placing's numba call (pinned passages) gives the offsets and spans of placing_order,
+    ordered_offsets and behind_pinned: without a gap, with gaps that fit and that the room cuts,
+    with a passage that stays with the sink, and when that passage is the best voted."""
+    import dataclasses
+
+    import numpy as np
+
+    from icecache.cache.placement import placing
+
+    _model, cache, _logits = remapped_pinned_cache(7, 6, 64)
+    layer = cache.ice_layers()[0]
+    r, passages, votes = layer.resident, layer.passages, layer.passages.votes
+    base = layer.remap
+    ids, table, rows = passages.load
+    checked = set()
+    for near_sink in (False, True):
+        passages.load = (ids, table, np.concatenate([np.arange(2, 6), rows]) if near_sink else rows)
+        for best_at_sink in (False, True):
+            anchors = list(votes.anchors)
+            if best_at_sink:
+                votes.anchors = [3] + anchors
+            try:
+                for gap in (0, 1, 40, 10**6):
+                    layer.remap = dataclasses.replace(base, pin_gap=gap)
+                    for back in (1, 40, 400):  # the query's distance from the pages
+                        pages_at = layer.length - back
+                        fast = placing(r, layer.remap, passages, layer.length, pages_at)
+                        ref = placing(r, layer.remap, passages, layer.length, pages_at, fast=False)
+                        assert torch.equal(fast[0], ref[0]) and torch.equal(fast[1], ref[1])
+                        checked.add(ref[1].tolist().__repr__())
+            finally:
+                layer.remap = base
+                votes.anchors = anchors
+    passages.load = (ids, table, rows)
+    assert len(checked) >= 4  # the cases gave different layouts

@@ -324,6 +324,51 @@ def ordered_offsets_nb(rows, valid, top, keep):
 
 
 @njit(nogil=True, cache=True)
+def pinned_offsets_nb(pool_row, valid, top, keep, cut, with_sink, by_votes, chosen, row_rank, anchors, spans,
+                      pin_gap, room, best):
+    """:func:`icecache.cache.placement.placing` with pinned answer passages in one call (its
+    NumPy functions ``placing_order``, ``ordered_offsets`` and ``behind_pinned`` are the
+    reference, tested equal): ``pool_row`` (H, n) int64 host rows of the pool slots, ``valid``
+    (H, n) bool, the pinned slots from column ``cut``, the passages' rows from ``with_sink`` on
+    moved nearest the window (``by_votes``: best voted nearest, by the votes' sorted ``chosen``
+    rows, each one's passage rank ``row_rank``, ``anchors`` passages ranked of ``spans``), the other rows
+    ``pin_gap`` positions farther back (where ``room`` allows it and the best voted row ``best``
+    is not one that stays with the sink) -> (offset (H, n), span (H,)) int64."""
+    H, n = pool_row.shape
+    keys = pool_row.copy()
+    top_pin = np.int64(-(2 ** 62))
+    for h in range(H):
+        for j in range(cut, n):
+            top_pin = max(top_pin, pool_row[h, j])
+    for h in range(H):
+        last = np.int64(-1)
+        for j in range(cut):
+            if valid[h, j]:
+                last = max(last, pool_row[h, j])
+        for j in range(cut, n):
+            p = pool_row[h, j]
+            if not (valid[h, j] and p >= with_sink):
+                continue
+            if by_votes:  # the passage's rank (a row in none: ``anchors``, past the last)
+                at = np.searchsorted(chosen, p)
+                rank = row_rank[at] if at < chosen.shape[0] and chosen[at] == p else anchors
+                p = (spans - rank) * (top_pin + 1) + p
+            keys[h, j] = max(last, 0) + 1 + p
+    offset, span = ordered_offsets_nb(keys, valid, top, keep)
+    if pin_gap <= 0:
+        return offset, span
+    gap = min(pin_gap, room - span.max())
+    if gap <= 0 or best < with_sink:
+        return offset, span
+    for h in range(H):
+        for j in range(n):
+            if valid[h, j] and (j < cut or pool_row[h, j] < with_sink):
+                offset[h, j] += gap
+        span[h] += gap
+    return offset, span
+
+
+@njit(nogil=True, cache=True)
 def place_rows(k, offset, count, sink_fill, pool_at, cos_t, sin_t, rotary):
     """:func:`icecache.cache.positions.place_keys`'s rotation in one pass (its torch version is
     the reference, tested equal): a copy of ``k`` (H, L, d) float32 in which, for head ``h``,

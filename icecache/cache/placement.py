@@ -25,9 +25,12 @@ def placed(k: torch.Tensor, r: ResidentKV, remap: Remap, passages: AnswerPassage
 
 
 def placing(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length: int,
-            pages_at: int) -> tuple[torch.Tensor, torch.Tensor]:
+            pages_at: int, fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`placed`'s placement without the keys: each pool row's offset before ``pages_at``
-    (H, P) and each head's span (H,), the sink just before it (:func:`~.positions.place_keys`)."""
+    (H, P) and each head's span (H,), the sink just before it (:func:`~.positions.place_keys`).
+    ``fast``: with pinned passages, one numba call (:func:`~.kernels.pinned_offsets_nb`);
+    otherwise, and as its reference, :func:`placing_order`, :func:`~.positions.ordered_offsets`
+    and :func:`behind_pinned`."""
     valid = r.valid[:, r.pool_at : r.window_at]
     rows = r.window_at - r.pool_at
     top = pages_at - r.sink_fill  # the host row of the token at pages_at
@@ -38,6 +41,16 @@ def placing(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length
     # true offset, 0, and the step from it to the next row in order is their true distance
     keep = min(0, room + 1 - rows)
     with_sink = passages.with_sink(remap.pin_gap) if pinned else None  # once for both calls
+    if pinned and fast:
+        from .kernels import pinned_offsets_nb
+
+        votes = passages.votes
+        chosen = np.asarray(votes.chosen if votes.chosen is not None else (), np.int64)
+        cut = (r.pool_pages - r.pinned_slots) * r.page_size
+        offset, count = pinned_offsets_nb(
+            np.asarray(r.pool_row, np.int64), valid, top, keep, cut, with_sink, bool(remap.pin_gap), chosen,
+            np.asarray(votes._row_rank, np.int64), len(votes.anchors), votes.spans, remap.pin_gap, room, votes.best)
+        return torch.from_numpy(offset), torch.from_numpy(count)
     offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, top, keep)
     if remap.pin_gap and pinned:
         offset, count = behind_pinned(offset, count, valid, room, r, remap, passages, with_sink)
