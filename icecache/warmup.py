@@ -83,6 +83,8 @@ def compile_cache() -> None:
     for keys, values in ((k, k), (np.zeros((2, 16, 8), np.int16), np.zeros((2, 16, 8), np.uint16))):
         # float32, and a dense layer's decode dtypes (float16 keys, bfloat16 values)
         dense_decode_fused(q, keys, values, 16, np.float32(1), np.float32(0), q, k, 0, np.empty((2, 3, 8), np.float32))
+    sink = np.zeros((2, 2, 8), np.float32)  # a remapped dense layer: its sink's rows, then its window's
+    dense_decode_fused(q, k, k, 8, np.float32(1), np.float32(0), q, sink, 2, np.empty((2, 3, 8), np.float32), sink, 4)
     for place in (None, (np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1, np.ones((4, 8), np.float32),
                          np.zeros((4, 8), np.float32), 8)):  # true positions; remapped ones, placed as scored
         paged_decode_fused(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0),

@@ -668,3 +668,24 @@ def test_pinned_placement_in_one_call_equals_its_numpy_reference():
                 votes.anchors = anchors
     passages.load = (ids, table, rows)
     assert len(checked) >= 4  # the cases gave different layouts
+
+
+@pytest.mark.parametrize("rows,sink,window,cap", [(700, 4, 256, None), (700, 4, 256, 3.0), (100, 4, 256, None),
+                                                  (3, 4, 256, None), (900, 0, 300, None)])
+def test_remapped_dense_layer_decodes_in_one_call_as_its_regions(rows, sink, window, cap):
+    """A remapped dense layer's decode step in one numba call (the sink's rows, then the window's,
+    each region with its own query) equals the regions' products (attend_regions): with the
+    window cut and uncut, a sink, none, and capped scores."""
+    from icecache.cache.positions import RemapDenseLayer
+
+    frame = RopeFrame.from_model(llama(ROPES["default"]))
+    torch.manual_seed(rows + sink)
+    H, G, d = 3, 3, 32
+    layer = RemapDenseLayer(Remap(frame, 16), sink, window)
+    layer.update(torch.randn(1, H, rows - 1, d), torch.randn(1, H, rows - 1, d))
+    layer.update(torch.randn(1, H, 1, d), torch.randn(1, H, 1, d))  # the step's own row
+    query = torch.randn(1, H * G, 1, d)
+    got = layer.attend(query, 0.2, cap)
+    layer._fused = lambda *args: None  # the regions' products
+    want = layer.attend(query, 0.2, cap)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-4)

@@ -337,9 +337,33 @@ class RemapDenseLayer(GrowingLayer):
         # the sink just before the window: its query rotated to that distance (one rotation
         # for every layer of the step), the window's query as it is
         sink_q = self.remap.frame.rotate(q.reshape(-1, d), n - 1, window + sink - 1).reshape(q.shape)
-        out = attend_regions([(sink_q, k[:, :sink], v[:, :sink]), (q, k[:, start:], v[:, start:])],
-                             None, scale, softcap)
+        out = self._fused(q, sink_q, sink, start, scale, softcap)
+        if out is None:
+            out = attend_regions([(sink_q, k[:, :sink], v[:, :sink]), (q, k[:, start:], v[:, start:])],
+                                 None, scale, softcap)
         return out.reshape(1, 1, -1, d)
+
+    def _fused(self, q: torch.Tensor, sink_q: torch.Tensor, sink: int, start: int, scale: float,
+               softcap: float | None) -> torch.Tensor | None:
+        """:meth:`attend`'s two regions in one numba call on the CPU (the dense decode's kernel,
+        its first rows the sink's: :func:`~.score_kernels.dense_decode_fused`'s ``v0`` and
+        ``shift``): (H, G, d), or None where it does not apply (another device or dtype; the
+        regions' products, :func:`attend_regions`, are its reference)."""
+        from .dense import kernel_rows
+
+        if q.device.type != "cpu" or q.dtype != torch.float32:
+            return None
+        kb, vb = kernel_rows(self.keys[0]), kernel_rows(self.values[0])
+        if kb is None or vb is None:
+            return None
+        from .score_kernels import dense_decode_fused
+
+        out = torch.empty(q.shape, dtype=torch.float32)
+        k0, v0 = np.ascontiguousarray(kb[:, :sink]), np.ascontiguousarray(vb[:, :sink])
+        dense_decode_fused(q.contiguous().numpy(), kb, vb, sink + self._n - start, np.float32(scale),
+                           np.float32(softcap or 0.0), sink_q.contiguous().numpy(), k0, sink, out.numpy(), v0,
+                           start - sink)
+        return out
 
     def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values (1, H, n, d) at their true positions (a copy)."""

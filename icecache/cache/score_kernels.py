@@ -248,13 +248,14 @@ def _score_rows_placed(q, k, h, lo, hi, out, place):
 
 @njit(fastmath=True, cache=True)
 def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, total, part, valid=None,
-                 place=None):
+                 place=None, v0=None, shift=0):
     """Block ``b`` of head ``h`` in :func:`dense_decode_fused`, rows ``b * per`` on (one task; a
     caller's own parallel loop can run it): its scores, their maximum and sum of exponentials,
     its weighted values.
     ``valid`` (H, >= n) bool: the rows it leaves out weigh nothing (an empty block: maximum
     :data:`EMPTY`, sum 0; :func:`paged_decode_fused`); None: every row. ``place``: the sink and
-    pool rows turn to remapped places as they are scored (:func:`_score_rows_placed`)."""
+    pool rows turn to remapped places as they are scored (:func:`_score_rows_placed`). ``v0``,
+    ``shift``: see :func:`dense_decode_fused`."""
     G, d = q.shape[1], q.shape[2]
     lo, hi = b * per, min(n, (b + 1) * per)
     if place is not None:
@@ -263,7 +264,7 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, t
         if lo < c:
             _score_rows(far_q, k0, h, lo, min(hi, c), scores)
         if hi > c:
-            _score_rows(q, k, h, max(lo, c), hi, scores)
+            _score_rows(q, k, h, max(lo, c), hi, scores, shift)
     for g in range(G):
         m = EMPTY
         for t in range(lo, hi):
@@ -282,12 +283,24 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, t
     for j in range(d):
         for g in range(G):
             part[h, b, g, j] = 0.0
+    if v0 is None:
+        _sum_values(v, shift, h, b, lo, hi, scores, part, valid)
+    else:
+        _sum_values(v0, 0, h, b, lo, min(hi, c), scores, part, valid)
+        _sum_values(v, shift, h, b, max(lo, c), hi, scores, part, valid)
+
+
+@njit(nogil=True, fastmath=True, cache=True)
+def _sum_values(v, shift, h, b, lo, hi, scores, part, valid):
+    """part[h, b, g] += the weights ``scores[h, g, t]`` times the values ``v[h, t + shift]`` of
+    rows lo..hi-1 (those ``valid`` keeps: :func:`kept`)."""
+    G, d = part.shape[2], part.shape[3]
     for t in range(lo, hi):
         if kept(valid, h, t):
             for g in range(G):
                 p = scores[h, g, t]
                 for j in range(d):
-                    part[h, b, g, j] += p * widen(v[h, t, j])
+                    part[h, b, g, j] += p * widen(v[h, t + shift, j])
 
 
 @njit(fastmath=True, cache=True)
@@ -312,13 +325,15 @@ def join_blocks(top, total, part, out):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
+def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out, v0=None, shift=0):
     """softmax(scores) v over rows 0..n-1, scores = ``scale * q . k`` (capped to ``cap *
     tanh(s / cap)`` where ``cap`` > 0): q (H, G, d); k, v (H, >= n, d) C-contiguous, float32 or
     16-bit floats' bits (:func:`widen`); out (H, G, d).
     The first ``c`` rows score ``far_q . k0`` instead (a clamped distance,
     :meth:`~.dense.GrowingLayer.clamped`; far_q (H, G, d), k0 (H, >= c, d)). The reference is
-    :func:`~.dense.dense_decode_reference`."""
+    :func:`~.dense.dense_decode_reference`. ``v0`` (H, >= c, d): those rows' values too (another
+    run of rows: a remapped dense layer's sink, :class:`~.positions.RemapDenseLayer`); the rows
+    from ``c`` on are then ``k[h, t + shift]``, ``v[h, t + shift]`` (its window)."""
     H, G, d = q.shape
     per = block_rows(n, H)
     blocks = max(1, (n + per - 1) // per)
@@ -328,7 +343,7 @@ def dense_decode_fused(q, k, v, n, scale, cap, far_q, k0, c, out):
     part = np.empty((H, blocks, G, d), np.float32)
     for task in prange(H * blocks):
         decode_block(q, k, v, n, scale, cap, far_q, k0, c, task // blocks, task % blocks, per, scores, top, total,
-                     part)
+                     part, None, None, v0, shift)
     join_blocks(top, total, part, out)
 
 
