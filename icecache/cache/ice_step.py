@@ -10,11 +10,11 @@ pool + window with the attention chosen once for the layer (:attr:`DecodeStep.ke
 - ``rest``: ``rest_estimate`` adds a row per tree page that is not loaded (:mod:`.rest`);
 - ``plain``: exact attention over the resident rows.
 
-With remapped positions the resident keys are placed just beyond the window first
-(:mod:`.placement`); with ``answer_spans`` the prompt's last steps vote for the passages that
-stay resident for the answer (:class:`~.spans.AnswerPassages`). Each stage is timed into
-:class:`~.spec.StepStats`. A model that caps its scores (``softcap``, Gemma 2) has every one of
-these attentions cap them (:mod:`.paged`).
+With remapped positions the resident keys are placed just beyond the window (:mod:`.placement`;
+on the CPU each row turns as the kernel scores it); with ``answer_spans`` the prompt's last steps
+vote for the passages that stay resident for the answer (:class:`~.spans.AnswerPassages`). Each
+stage is timed into :class:`~.spec.StepStats`. A model that caps its scores (``softcap``, Gemma 2)
+has every one of these attentions cap them (:mod:`.paged`).
 """
 
 from __future__ import annotations

@@ -45,11 +45,10 @@ def placing(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length
         from .kernels import pinned_offsets_nb
 
         votes = passages.votes
-        chosen = np.asarray(votes.chosen if votes.chosen is not None else (), np.int64)
         cut = (r.pool_pages - r.pinned_slots) * r.page_size
         offset, count = pinned_offsets_nb(
-            np.asarray(r.pool_row, np.int64), valid, top, keep, cut, with_sink, bool(remap.pin_gap), chosen,
-            np.asarray(votes._row_rank, np.int64), len(votes.anchors), votes.spans, remap.pin_gap, room, votes.best)
+            np.asarray(r.pool_row, np.int64), valid, top, keep, cut, with_sink, bool(remap.pin_gap),
+            *votes.rank_table(), votes.spans, remap.pin_gap, room, votes.best)
         return torch.from_numpy(offset), torch.from_numpy(count)
     offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, top, keep)
     if remap.pin_gap and pinned:

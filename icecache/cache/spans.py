@@ -74,6 +74,12 @@ class SpanVotes:
         out[hit] = self._row_rank[at[hit]]
         return out
 
+    def rank_table(self) -> tuple[np.ndarray, np.ndarray, int]:
+        """:meth:`passage_rank`'s lookup as arrays, for a kernel: the chosen host rows (sorted,
+        int64), each one's passage rank, and the rank of a row in no passage."""
+        chosen = self.chosen if self.chosen is not None else ()
+        return np.asarray(chosen, np.int64), np.asarray(self._row_rank, np.int64), len(self.anchors)
+
     def add(self, weights: np.ndarray, step: int = 0) -> None:
         """One layer's votes at the step where the cache holds ``step`` tokens: (n,) over host
         rows 0 .. n-1; a row keeps its best vote."""
