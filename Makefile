@@ -1,7 +1,7 @@
 # Set-up and checks. Every target creates .venv and installs what it needs first (idempotent:
 # a stamp file skips the install while pyproject.toml is unchanged).
 #   make demo       summarize the example document with the embedded model
-#   make test       the default test suite (CPU, about 16 minutes on 2 cores)
+#   make test       the default test suite (CPU, about 15 minutes on 2 cores)
 #   make test-slow  the slow tests and measurements
 #   make lint       ruff
 #   make bench      the measurements quoted in docs/results.md (about 90 minutes on 2 cores)
