@@ -30,18 +30,28 @@ def paged_decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, va
     return torch.einsum("hgl,hld->hgd", probs, v.float()).to(q.dtype)
 
 
+def _on_cpu_kernel(q, k, v) -> bool:
+    """Whether :func:`~.score_kernels.paged_decode_fused` takes this step (CPU, float32)."""
+    return q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32
+
+
+def _fused(q, k, v, valid, scaling, softcap, place=None) -> torch.Tensor:
+    """:func:`~.score_kernels.paged_decode_fused` on torch tensors (``place``: its placement)."""
+    from .score_kernels import paged_decode_fused
+
+    out = torch.empty(q.shape, dtype=torch.float32)
+    paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
+                       valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy(), place)
+    return out
+
+
 def paged_decode_sdpa(q, k, v, valid, scaling, softcap=None):
     """The same as :func:`paged_decode_reference`, the fast path: on the CPU in float32 one numba
     call (:func:`~.score_kernels.paged_decode_fused`, capped scores too), elsewhere torch's fused
     SDPA; capped scores off the CPU by the reference (one query per head: a few products over
     the resident rows)."""
-    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32:
-        from .score_kernels import paged_decode_fused
-
-        out = torch.empty(q.shape, dtype=torch.float32)
-        paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
-                           valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy())
-        return out
+    if _on_cpu_kernel(q, k, v):
+        return _fused(q, k, v, valid, scaling, softcap)
     if softcap:
         return paged_decode_reference(q, k, v, valid, scaling, softcap)
     out = F.scaled_dot_product_attention(q[:, None], k[:, None], v[:, None],
@@ -57,14 +67,9 @@ def paged_decode_placed(q, k, v, valid, scaling, softcap, frame, sink_fill: int,
     as its reference, the placed copy and then :func:`paged_decode_sdpa`."""
     from .positions import place_keys, place_tables
 
-    if q.device.type == "cpu" and q.dtype == k.dtype == v.dtype == torch.float32:
-        from .score_kernels import paged_decode_fused
-
-        place = place_tables(frame, sink_fill, pool_at, window_at, pages_at, offset, count)
-        out = torch.empty(q.shape, dtype=torch.float32)
-        paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
-                           valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy(), place)
-        return out
+    if _on_cpu_kernel(q, k, v):
+        return _fused(q, k, v, valid, scaling, softcap,
+                      place_tables(frame, sink_fill, pool_at, window_at, pages_at, offset, count))
     k = place_keys(frame, k, sink_fill, pool_at, window_at, pages_at, offset, count)
     return paged_decode_sdpa(q, k, v, valid, scaling, softcap)
 
