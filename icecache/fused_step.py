@@ -41,7 +41,7 @@ from numba import njit, prange
 
 from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .cache.dense import kernel_rows
-from .cache.score_kernels import dense_decode_fused, narrow
+from .cache.score_kernels import dense_decode_fused, exp32, narrow
 from .int8_rows import group_sums, grouped_tile, tile_groups
 
 NO_BIAS = np.zeros(0, np.float32)
@@ -122,9 +122,11 @@ def _product(w, tb, x, rows, bias):
 
 @njit(fastmath=True, cache=True)
 def _gelu_tanh(x):
-    """GELU by its tanh form (transformers' ``gelu_pytorch_tanh``, Gemma's MLP)."""
-    return np.float32(0.5) * x * (np.float32(1.0) + np.tanh(np.float32(0.7978845608028654)
-                                                            * (x + np.float32(0.044715) * x * x * x)))
+    """GELU by its tanh form (transformers' ``gelu_pytorch_tanh``, Gemma's MLP) of one float32:
+    ``0.5 x (1 + tanh(y))`` written as ``x / (1 + e^(-2y))`` (the same function, and no
+    cancellation where tanh(y) is near -1), through :func:`exp32`, which a loop vectorizes."""
+    y = np.float32(0.7978845608028654) * (x + np.float32(0.044715) * x * x * x)
+    return x / (np.float32(1.0) + exp32(np.float32(-2.0) * y))
 
 
 SILU, GELU_TANH = 0, 1  # the MLP's activations the fused layers know (decoder_post's ``act``)
@@ -159,10 +161,12 @@ def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act):
         gate += biases[4]
     if biases[5].shape[0]:
         up += biases[5]
-    if act == GELU_TANH:
-        mixed = _gelu_tanh(gate) * up
-    else:
-        mixed = gate / (np.float32(1.0) + np.exp(-gate)) * up
+    mixed = np.empty_like(gate)
+    for i in range(gate.shape[0]):  # exp32, not np.exp (a call per element, this loop left scalar)
+        if act == GELU_TANH:
+            mixed[i] = _gelu_tanh(gate[i]) * up[i]
+        else:
+            mixed[i] = gate[i] / (np.float32(1.0) + exp32(-gate[i])) * up[i]
     m = _product(weights[6], tables[6], mixed, rows[6], biases[6])
     if sandwich:
         m = _rms(m, norms[3], eps)

@@ -154,3 +154,28 @@ def test_the_kernels_round_to_16_bits_as_torch_does(half):
     assert (out == want.view(torch.int16).numpy().view(bits)).all()
     finite = want.isfinite().numpy()  # (float16's infinities read back as 65536, never kept: see GrowingLayer)
     assert (back[finite] == want.float().numpy()[finite]).all()
+
+
+def test_exp32_is_exp_within_two_units_in_the_last_place():
+    """The kernels' vectorizable exp against float64's over its whole range (every 2^-16 or so,
+    and near zero, where the softmax's largest weights are), and at its ends: 0 below float32's
+    smallest normal, e^88 above 88 (not infinity)."""
+    import numpy as np
+    from numba import njit
+
+    from icecache.cache.score_kernels import exp32
+
+    @njit
+    def each(x, out):
+        for i in range(x.shape[0]):
+            out[i] = exp32(x[i])
+
+    x = np.concatenate([np.linspace(-87.3, 88.0, 8_000_001), np.linspace(-1e-3, 1e-3, 10_001)]).astype(np.float32)
+    out = np.empty_like(x)
+    each(x, out)
+    want = np.exp(x.astype(np.float64))
+    assert (np.abs(out - want) <= 2 * 2.0 ** -24 * want).all()
+    ends = np.float32([-1e38, -200.0, -87.34, 88.5, 1e38])
+    out = np.empty_like(ends)
+    each(ends, out)
+    assert (out[:3] == 0).all() and (out[3:] == np.float32(np.exp(np.float32(88.0)))).all()
