@@ -93,9 +93,13 @@ GROUP = 32
 
 
 def tile_groups(u: np.ndarray, step: np.ndarray, low: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(rows, inputs) bytes and (rows, groups) steps and minimums -> (tiles (tiles, inputs, BLOCK)
-    uint8, tables (tiles, groups, 2, BLOCK) float32: step then minimum), the last tile padded with
-    zero rows."""
+    """(rows, inputs) bytes and (rows, groups) steps and minimums -> (tiles, tables (tiles, groups,
+    2, BLOCK) float32: step then minimum), the last tile padded with zero rows. ``tiles`` (tiles,
+    inputs, BLOCK) uint8; where every ``u`` is under 16 (4-bit formats: an int4 layer, Q4_0, Q4_1,
+    Q4_K), two a byte, (tiles, inputs / 2, BLOCK): input 2i in the low four bits, 2i + 1 in the
+    high (:func:`grouped_tile` tells the two apart by the tiles' shape). A decode step's products
+    read every weight once, so half the bytes is up to half the time: the embedded model's 30
+    layers 9.5-9.9 against 10.6-12.5 ms a token (2 threads, an AVX2 EPYC, same run)."""
     n, k = u.shape
     nb = -(-n // BLOCK)
     pad = nb * BLOCK - n
@@ -103,6 +107,8 @@ def tile_groups(u: np.ndarray, step: np.ndarray, low: np.ndarray) -> tuple[np.nd
     table = np.stack([step, low], axis=-1).astype(np.float32)  # (rows, groups, 2)
     table = np.concatenate([table, np.zeros((pad, *table.shape[1:]), np.float32)]) if pad else table
     tiles = np.ascontiguousarray(u.reshape(nb, BLOCK, k).transpose(0, 2, 1))
+    if int(u.max(initial=0)) < 16:
+        tiles = np.ascontiguousarray(tiles[:, 0::2] | (tiles[:, 1::2] << 4))
     tables = np.ascontiguousarray(table.reshape(nb, BLOCK, k // GROUP, 2).transpose(0, 2, 3, 1))
     return tiles, tables
 
@@ -120,16 +126,28 @@ def group_sums(x):
 
 @njit(fastmath=True, cache=True)
 def grouped_tile(tiles, tables, x, sums, out, b):
-    """Tile ``b`` of :func:`grouped_product` (one task; a caller's own parallel loop can run it)."""
-    k = tiles.shape[1]
+    """Tile ``b`` of :func:`grouped_product` (one task; a caller's own parallel loop can run it).
+    Tiles of half the inputs hold two 4-bit values a byte (:func:`tile_groups`): each byte as a
+    float ``f``, its high half ``floor(f / 16)`` and its low ``f - 16 * high``, both exact (integer
+    arithmetic on the bytes made numba widen them to 64 bits, and the loop slower than the bytes')."""
+    k = x.shape[0]
     n = out.shape[0]
+    packed = tiles.shape[1] < k
     total = np.zeros(BLOCK, np.float32)
     for g in range(k // GROUP):
         acc = np.zeros(BLOCK, np.float32)
-        for j in range(g * GROUP, g * GROUP + GROUP):
-            a = x[j]
-            for r in range(BLOCK):
-                acc[r] += np.float32(tiles[b, j, r]) * a
+        if packed:
+            for j in range(g * (GROUP // 2), (g + 1) * (GROUP // 2)):
+                a0, a1 = x[2 * j], x[2 * j + 1]
+                for r in range(BLOCK):
+                    f = np.float32(tiles[b, j, r])
+                    high = np.floor(f * np.float32(0.0625))
+                    acc[r] += (f - np.float32(16.0) * high) * a0 + high * a1
+        else:
+            for j in range(g * GROUP, g * GROUP + GROUP):
+                a = x[j]
+                for r in range(BLOCK):
+                    acc[r] += np.float32(tiles[b, j, r]) * a
         s = sums[g]
         for r in range(BLOCK):
             total[r] += tables[b, g, 0, r] * acc[r] + tables[b, g, 1, r] * s

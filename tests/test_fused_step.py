@@ -148,6 +148,18 @@ def test_not_fused_where_the_weights_do_not_allow(monkeypatch):
     assert calls == []
 
 
+def test_fused_layers_are_current_until_a_layer_is_replaced():
+    """``current`` (asked every step): true for the model they were made from, false once any
+    of a layer's seven products is another module (the step then makes them anew)."""
+    _float, model = exact_int4("llama")
+    fused = FusedLayers.of(model)
+    assert fused.current(model)
+    layer = model.model.layers[-1]
+    layer.mlp.up_proj = copy.deepcopy(layer.mlp.up_proj)
+    assert not fused.current(model)
+    assert FusedLayers.of(model).current(model)
+
+
 def test_the_embedded_models_fused_steps_are_its_float_forward(loaded, monkeypatch):
     """The real weights (int4, exact: the GGUF's Q4_1 values) with ice keeping every layer dense:
     the fused layers' logits within float rounding of the float model's forward, through the

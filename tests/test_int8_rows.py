@@ -49,15 +49,19 @@ def test_the_bound_widens_each_row_by_its_own_share():
     assert floor == pytest.approx(2.0, abs=2e-6)  # row 0: 2 - 0 (row 2: 1 - 0.75)
 
 
+@pytest.mark.parametrize("levels", [256, 16, 2])  # bytes; 4-bit values, two a byte (and only 0/1 there)
 @pytest.mark.parametrize("rows,inputs", [(100, 96), (64, 640), (3, 32)])
-def test_the_grouped_product_is_the_exact_values_within_its_bound(rows, inputs):
+def test_the_grouped_product_is_the_exact_values_within_its_bound(rows, inputs, levels):
     rng = np.random.default_rng(rows)
-    u = rng.integers(0, 256, (rows, inputs), dtype=np.uint8)
+    u = rng.integers(0, levels, (rows, inputs), dtype=np.uint8)
+    u[0, :2] = [levels - 1, 0]  # both ends of the range in one byte
     step = rng.uniform(1e-4, 1e-2, (rows, inputs // 32)).astype(np.float32)
     low = rng.uniform(-1, 1, (rows, inputs // 32)).astype(np.float32)
     tiles, tables = int8_rows.tile_groups(u, step, low)
     nb = -(-rows // int8_rows.BLOCK)
-    assert tiles.shape == (nb, inputs, int8_rows.BLOCK) and tables.shape == (nb, inputs // 32, 2, int8_rows.BLOCK)
+    per_byte = 1 if levels > 16 else 2
+    assert tiles.shape == (nb, inputs // per_byte, int8_rows.BLOCK)
+    assert tables.shape == (nb, inputs // 32, 2, int8_rows.BLOCK)
     x = rng.standard_normal(inputs).astype(np.float32)
     out = np.empty(rows, np.float32)
     int8_rows.grouped_product(tiles, tables, x, out)
