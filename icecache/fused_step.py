@@ -18,11 +18,11 @@ layer of the step one call where none clamps its distances and their buffers sha
 (:func:`decoder_layers`): the new key and value go into the layer's buffer and attention over its
 rows runs in numba too (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
-The products run from each layer's weights held as bytes with a step and a minimum per group of
-32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32): a GGUF layer's own
+The products run from each layer's weights held as bytes (4-bit values two a byte) with a step and
+a minimum per group of 32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32): a GGUF layer's own
 (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
-(:class:`~icecache.weights.Int4Linear`, made at the first step: a byte a weight beside its
-packed four bits). Which models: the fast step's (Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3:
+(:class:`~icecache.weights.Int4Linear`, made at the first step: two values a byte beside its
+own packed form). Which models: the fast step's (Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3:
 their norms, Gemma's ``1 + weight`` and its norms around the attention and the MLP, SiLU or
 GELU's tanh form) whose every layer's seven products are one of those two, on the CPU in
 float32, outside a prompt; otherwise the torch step, which stays the reference

@@ -4,7 +4,8 @@
 transformers loads a GGUF by dequantizing every tensor to float, so a Q5_0 or Q8_0 layer decodes
 from float32: four bytes a weight where the file spends one or less. Here the file's blocks are
 read again and each layer becomes its blocks' integers ``u`` (``w = u * step + low``, ``u`` in
-0..2**bits - 1) held as one byte a weight, with a step and a minimum per group of 32 inputs
+0..2**bits - 1) held as one byte a weight (two a byte where every ``u`` is under 16: Q4_0, Q4_1,
+Q4_K), with a step and a minimum per group of 32 inputs
 (:class:`GroupedLinear`, through :func:`~icecache.int8_rows.grouped_product`). Exact: Q4_0,
 Q4_1, Q4_K (a sub-block of 32 has its own step ``d * scale`` and minimum ``-dmin * min``), Q5_0,
 Q5_1, Q5_K, Q8_0. Q6_K's sub-blocks are 16 inputs with their own scales, which groups of 32 cannot
@@ -176,8 +177,8 @@ class GroupedLinear(nn.Module):
         return out.to(self.act_dtype).reshape(*shape[:-1], self.out_features)
 
     def extra_repr(self) -> str:
-        return (f"in_features={self.in_features}, out_features={self.out_features}, {self.form} as "
-                f"a byte a weight in groups of {GROUP}")
+        held = "two 4-bit values a byte" if self.tiles.shape[1] < self.in_features else "a byte a weight"
+        return f"in_features={self.in_features}, out_features={self.out_features}, {self.form} as {held} in groups of {GROUP}"
 
 
 def _row_order(processor, name: str, rows: int) -> np.ndarray | None:
