@@ -33,6 +33,7 @@ HOST_DTYPES = ("auto",) + DTYPES
 HALF_CHOICES = ("model", "bfloat16", "auto")  # dense_kv, prompt_compute
 CHAT_CHOICES = ("auto", "family", "plain")  # chat_template; icecache.chat.CHOICES (tested equal)
 POSITIONS = ("auto", "true", "remap")
+ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
 MAX_THREADS = 256
 # A CUDA (or ROCm) device needs its driver's device files: NVIDIA's, WSL 2's, AMD's
@@ -100,6 +101,10 @@ class Settings:
     prefill_queries: int = 16  # sparse prefill: chunk positions whose queries select the pages
     dense_window: int = 4096  # sparse prefill: recent tokens the dense layers attend to
     pipeline: bool = True  # offload and index a layer in the background while the next computes
+    # the paged methods' decode attention over the resident rows on a GPU: "torch" (SDPA with the
+    # rows' mask), "flashinfer" (FlashInfer's paged decode kernel; needs the package and CUDA) or
+    # "auto" (FlashInfer where the device is CUDA and the package is installed, else torch)
+    attention_backend: str = "auto"
     host_dtype: str = "auto"  # the host store's: auto = float16 for a float32 model, else the model's
     # Positions past the trained context: "remap" gives every attended token a distance the model
     # was trained on, "true" keeps true distances, "auto" remaps when a run outgrows the context.
@@ -226,6 +231,10 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("reuse_every", "must be >= 1")
     if s.chunk_size <= 0 or s.chunk_size % s.page_size:
         raise bad("chunk_size", f"must be a positive multiple of page_size ({s.page_size})")
+    if s.attention_backend not in ATTENTION_BACKENDS:
+        raise bad("attention_backend", f"must be one of {', '.join(ATTENTION_BACKENDS)}")
+    if s.attention_backend == "flashinfer" and s.device == "cpu":
+        raise bad("attention_backend", "flashinfer runs on a CUDA device only (device: cpu)")
     if s.prefill not in PREFILL_MODES:
         raise bad("prefill", f"must be one of {', '.join(PREFILL_MODES)}")
     if s.prefill_budget <= 0 or s.prefill_budget % s.page_size:

@@ -110,8 +110,14 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     seconds = time.perf_counter() - t0
     queries, grids = record.recorded(), record.grids()
     record.start(0)
-    return Prefilled(list(ids), [tuple(t.clone() for t in kv_in_order(layer)) for layer in cache.layers],
+    # the copy every method starts from: on a GPU in host memory (each method's cache copies it
+    # onto the device), so that the device never holds the prompt's keys and values twice
+    return Prefilled(list(ids), [tuple(_host_copy(t) for t in kv_in_order(layer)) for layer in cache.layers],
                      out.logits[0, -1], seconds, dict(queries), dict(grids))
+
+
+def _host_copy(t: torch.Tensor) -> torch.Tensor:
+    return t.clone() if t.device.type == "cpu" else t.to("cpu")
 
 
 class Session(DocPrefixes):
@@ -232,7 +238,8 @@ class Session(DocPrefixes):
                 q = pre.obs_queries.get(i)
                 if q is not None:  # the prompt's end last (SnapKV keeps the last call's)
                     self.cache.observe(i, q, np.arange(T - q.shape[1], T))
-            self.cache.update(k.clone(), v.clone(), i)
+            device = self.loaded.model.device  # a copy on it (a GPU's shared prefill is on the host)
+            self.cache.update(*(t.clone() if t.device == device else t.to(device) for t in (k, v)), i)
             seen(self.cache.layers[i], T)  # a window layer given its window's rows alone
         self.cached_ids = list(pre.ids)
 

@@ -8,8 +8,9 @@ paged methods the dense layers, the resident pools, the host store and the index
 counts copies a caller makes on top (a shared prefill's keys and values).
 
 :func:`available_bytes` is ``MemAvailable`` of ``/proc/meminfo`` capped by the profile's
-``host_memory_gib`` (on a CUDA profile, the device's free memory capped by
-``device_memory_gib`` counts for the device part). ``ICECACHE_MEM_AVAILABLE_GIB`` replaces the
+``host_memory_gib`` (on a CUDA profile, the device's free memory, capped by
+``device_memory_gib`` less what the process already holds, counts for the device part;
+:func:`cap_device` makes the cap hold for every allocation). ``ICECACHE_MEM_AVAILABLE_GIB`` replaces the
 measured host figure: meant for tests, to force a method not to fit.
 """
 
@@ -103,9 +104,30 @@ def available_bytes(settings: Settings) -> Need:
     if settings.device != "cpu":
         import torch
 
-        free = torch.cuda.mem_get_info()[0] if torch.cuda.is_available() else 0
-        device = min(free, int(settings.device_memory_gib * GIB)) if settings.device_memory_gib else free
+        if torch.cuda.is_available():
+            # what torch holds but does not use is free to it too; the profile's cap counts what
+            # the process already uses (the model's weights)
+            used = torch.cuda.memory_allocated()
+            device = torch.cuda.mem_get_info()[0] + torch.cuda.memory_reserved() - used
+            if settings.device_memory_gib:
+                device = max(0, min(device, int(settings.device_memory_gib * GIB) - used))
     return Need(device=device, host=host)
+
+
+def cap_device(settings: Settings) -> float | None:
+    """Hold torch's allocator on the profile's CUDA device to ``device_memory_gib`` (a 24 GiB
+    profile on a larger card behaves as the smaller card: an allocation past the cap raises
+    torch's out-of-memory error). Returns the fraction of the card set, or None (no cap, or not
+    a CUDA profile)."""
+    if not settings.device.startswith("cuda") or not settings.device_memory_gib:
+        return None
+    import torch
+
+    index = torch.device(settings.device).index
+    index = torch.cuda.current_device() if index is None else index
+    fraction = min(1.0, settings.device_memory_gib * GIB / torch.cuda.get_device_properties(index).total_memory)
+    torch.cuda.set_per_process_memory_fraction(fraction, index)
+    return fraction
 
 
 def shortfall(need: Need, have: Need) -> str | None:

@@ -323,6 +323,9 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     check_device(settings)
+    from .memory import cap_device
+
+    cap_device(settings)  # before the weights arrive: the profile's card size holds for them too
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     _hush_transformers()
     name, source, kwargs, converted = resolved or resolve_model_source(spec, log)

@@ -12,7 +12,7 @@ from .conftest import run_cli
 
 def test_shipped_profiles_exist_and_validate():
     names = set(shipped_profiles())
-    assert {"cpu", "a100-40gb", "h100-80gb"} <= names
+    assert {"cpu", "a100-40gb", "h100-80gb", "rtx4090-24gb"} <= names
     for name in names:
         s = load_profile(name)
         assert s.name == name
@@ -88,7 +88,7 @@ def test_profiles_command_lists_and_rejects(tmp_path):
     r = run_cli(["profiles"])
     assert r.returncode == 0, r.stderr
     out = r.stdout.decode()
-    for name in ("cpu", "a100-40gb", "h100-80gb"):
+    for name in ("cpu", "a100-40gb", "h100-80gb", "rtx4090-24gb"):
         assert name in out
     assert "budget" in out and "page_size" in out
     bad = tmp_path / "bad.yaml"

@@ -122,10 +122,11 @@ def _method_skip(loaded, settings, method: str, tokens: int) -> str | None:
 
 def _shared_prefill_skip(loaded, settings, ctx: int, full: bool) -> str | None:
     """Why the prefill the methods start from cannot run, or None: a full prefill holds its dense
-    cache and the copy it hands over; a longer context's sparse prefill is ice's own."""
-    if full:
+    cache and the copy it hands over (on a GPU in host memory: :func:`prefill_once`); a longer
+    context's sparse prefill is ice's own."""
+    if full:  # the dense cache, and the copy handed over (on a GPU, in host memory)
         need = need_bytes("dense", loaded.model.config, settings, ctx)
-        need = type(need)(device=2 * need.device, host=2 * need.host)
+        need = Need(device=need.device, host=2 * need.host + need.device)
     else:
         need = need_bytes("ice", loaded.model.config, settings.replace(prefill="sparse"), ctx)
     short = shortfall(need, available_bytes(settings))
@@ -229,7 +230,9 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
             emit(rows[-1])
         todo = [m for m in methods if m != "ice"]
         session.cache.release_indexes()  # the rebuild needs the stores, not the indexes
-        pre = Prefilled(list(ids), session.cache.dense_kv() if todo else [], logits,
+        # the others' keys and values, built in host memory layer by layer (a GPU holds one
+        # layer's copy at a time; each method's cache then copies them onto the device)
+        pre = Prefilled(list(ids), session.cache.dense_kv("cpu") if todo else [], logits,
                         stats.prefill_seconds)
         del session
         release_current_cache()

@@ -9,15 +9,20 @@ host store, and move a set of host rows into pool slots in one gather + one copy
   ``non_blocking`` on a dedicated copy stream and scattered into the pool after the compute
   stream waits for the copy (``TorchBackend`` does both; the CUDA branch is exercised by the
   GPU parity tests, skipped without a GPU).
-- FlashInfer paged decode is an optional fast path on CUDA (``flashinfer_available``); the torch
-  attention in :mod:`icecache.cache.attention` is its reference.
+- FlashInfer's paged decode is an optional fast path on CUDA (``attention``: the profile's
+  ``attention_backend``; :mod:`.flashinfer_decode`); the torch attention of :mod:`.paged` is its
+  reference, and the path every step takes where FlashInfer does not apply.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
 
+import numpy as np
 import torch
+
+from ..errors import UsageError
 
 
 def flashinfer_available(device: torch.device) -> bool:
@@ -32,12 +37,45 @@ class TorchBackend:
     # breakdown is the device's time (it costs the overlap between stages).
     sync_timers = False
 
-    def __init__(self, device: torch.device | str):
+    def __init__(self, device: torch.device | str, attention: str = "auto"):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._staging: dict[tuple, torch.Tensor] = {}
         self._copied = None  # CUDA event: the last copy out of the staging buffer finished
+        if attention == "flashinfer" and not flashinfer_available(self.device):
+            raise UsageError("attention_backend: flashinfer needs a CUDA device and the flashinfer "
+                             "package (pip install flashinfer-python)")
+        # whether decode steps go through FlashInfer's kernel (False: torch's attention)
+        self.flashinfer = attention != "torch" and flashinfer_available(self.device)
+        self._decoders: dict[int, object] = {}
+        self._flashinfer_ran = False
+
+    # -- attention -------------------------------------------------------------------------------
+    def decode_attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         valid: np.ndarray, scaling: float, softcap: float | None = None) -> torch.Tensor | None:
+        """One decode step's attention of layer ``layer`` through FlashInfer: q (H, G, d) over the
+        valid rows (``valid``: (H, L) on the host) of k, v (H, L, d) -> (H, G, d); None where it
+        does not apply (torch's attention then). A kernel that fails at its first call (say, its
+        compile) turns the path off for this cache, with one line on stderr."""
+        from . import flashinfer_decode as fi
+
+        if not self.flashinfer or not fi.usable(q, k, softcap):
+            return None
+        try:
+            decoder = self._decoders.get(layer)
+            if decoder is None:
+                decoder = self._decoders[layer] = fi.FlashInferDecode(self.device)
+            out = decoder(q, k, v, valid, scaling)
+        except Exception as exc:  # noqa: BLE001 - any failure of the optional kernel's first call
+            if self._flashinfer_ran:
+                raise
+            self.flashinfer = False
+            print(f"icecache: FlashInfer's decode failed ({type(exc).__name__}: {str(exc)[:160]}); "
+                  "torch attention instead", file=sys.stderr)
+            return None
+        self._flashinfer_ran = True
+        return out
 
     # -- memory ------------------------------------------------------------------------------
     def device_zeros(self, shape, dtype) -> torch.Tensor:

@@ -38,7 +38,7 @@ class IceCache(Cache):
                  clamp=None, windows: list[int] | None = None):
         self.spec = spec
         self.remap = remap  # positions remapped (positions.py); None: true positions
-        self.backend = TorchBackend(device)
+        self.backend = TorchBackend(device, spec.attention_backend)
         self.stats = StepStats()
         votes = SpanVotes(spec.answer_spans, spec.page_size) if spec.span_pages else None
         layers: list = []
@@ -126,11 +126,18 @@ class IceCache(Cache):
         return twin
 
     # -- what it holds ----------------------------------------------------------------------------
-    def dense_kv(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def dense_kv(self, device: torch.device | str | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Every layer's keys and values (1, H, T, d) in token order, at their true positions
-        (copies for ice layers and remapped dense layers)."""
-        return [layer.dense_kv() if isinstance(layer, (IceLayer, RemapDenseLayer)) else kv_in_order(layer)
-                for layer in self.layers]
+        (copies for ice layers and remapped dense layers), on ``device`` (None: where each layer
+        keeps them). Layer by layer: on the host, a GPU never holds more than one layer's copy."""
+        out = []
+        for layer in self.layers:
+            if isinstance(layer, IceLayer):
+                kv = layer.dense_kv(device)
+            else:
+                kv = layer.dense_kv() if isinstance(layer, RemapDenseLayer) else kv_in_order(layer)
+            out.append(kv if device is None else (kv[0].to(device), kv[1].to(device)))
+        return out
 
     def release_indexes(self) -> None:
         """Drop every layer's index (to rebuild the dense KV from the stores in less memory)."""

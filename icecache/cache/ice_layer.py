@@ -272,20 +272,24 @@ class IceLayer(DecodeStep, CacheLayerMixin):
         WORKER.retire()
 
     # -- what the cache holds ---------------------------------------------------------------------
-    def dense_kv(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Every token's keys and values (1, heads, length, d) in token order, on the device in
-        the model's dtype: sink + host store + window (a copy; the prompt itself before offload)."""
+    def dense_kv(self, device: torch.device | str | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every token's keys and values (1, heads, length, d) in token order, in the model's
+        dtype: sink + host store + window (a copy; the prompt itself before offload), made on
+        ``device`` (None: the resident pool's; with remapped positions on the pool's device,
+        where the rotation's tables are, and then moved)."""
         self.wait()
         if not self.offloaded:
             return self.keys, self.values
         r, s = self.resident, self.store
+        at = r.keys.device if device is None or self.remap is not None else torch.device(device)
         w = slice(r.window_at, r.window_at + r.window_fill)
-        host_k = s.keys[:, : s.rows].to(r.keys.device, r.keys.dtype)
+        host_k = s.keys[:, : s.rows].to(at, r.keys.dtype)
         if self.remap is not None:  # back from the position-free frame to true positions
             host_k = self.remap.frame.rotate(host_k, 0, torch.arange(r.sink_fill, r.sink_fill + s.rows))
         parts = []
         for res, host in ((r.keys, host_k), (r.values, s.values[:, : s.rows])):
-            parts.append(torch.cat([res[:, : r.sink_fill], host.to(res.device, res.dtype), res[:, w]], dim=1)[None])
+            rows = [res[:, : r.sink_fill].to(at), host.to(at, res.dtype), res[:, w].to(at)]
+            parts.append(torch.cat(rows, dim=1)[None].to(device or at))
         return parts[0], parts[1]
 
     def release_index(self) -> None:

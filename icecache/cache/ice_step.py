@@ -8,7 +8,8 @@ pool + window with the attention chosen once for the layer (:attr:`DecodeStep.ke
 
 - ``weighted``: a selector that estimates (MagicPIG) weighs the rows it chose (``row_bias``);
 - ``rest``: ``rest_estimate`` adds a row per tree page that is not loaded (:mod:`.rest`);
-- ``plain``: exact attention over the resident rows.
+- ``plain``: exact attention over the resident rows (on a GPU through FlashInfer's paged decode
+  where ``attention_backend`` has it: :mod:`.flashinfer_decode`).
 
 With remapped positions the resident keys are placed just beyond the window (:mod:`.placement`;
 on the CPU each row turns as the kernel scores it); with ``answer_spans`` the prompt's last steps
@@ -100,8 +101,10 @@ class DecodeStep:
             out = paged_decode_rest(q, k, v, valid, rest, scale, softcap)
         elif place is not None:
             out = paged_decode_placed(q, k, v, valid, scale, softcap, *place)
-        else:
-            out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
+        else:  # FlashInfer's kernel where the profile and the device have it, else torch's
+            out = self.backend.decode_attention(self.layer_idx, q, k, v, r.valid, scale, softcap)
+            if out is None:
+                out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)

@@ -39,6 +39,9 @@ class IceSpec:
     # query's order of keys is the same, and only how much a page's mass outweighs another's
     # shifts (the attention itself is exact over whatever pages are loaded).
     softcap: float | None = None
+    # the decode attention over the resident rows on a GPU: "torch", "flashinfer" or "auto"
+    # (:class:`~.backend.TorchBackend`)
+    attention_backend: str = "auto"
 
     @property
     def span_pages(self) -> int:

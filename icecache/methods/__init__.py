@@ -8,6 +8,9 @@ selector class). :mod:`.planner` decides what one run does (prefill mode, positi
 :mod:`.factory` makes its cache.
 
 - ``full``: transformers' own dense cache and SDPA attention (the reference a user knows);
+- ``offloaded``: ``full`` with every layer's keys and values in host memory, each layer streamed
+  to the GPU for its attention (transformers' offloading; the peer for a KV cache that does not
+  fit the card);
 - ``dense``: the same attention over the project's in-place growing dense cache;
 - ``ice``: the IceCache paged cache; ``ice-reuse``: only every ``reuse_every``-th layer queries
   its index, the others reuse its selection;
@@ -22,7 +25,7 @@ selector class). :mod:`.planner` decides what one run does (prefill mode, positi
 from __future__ import annotations
 
 from .factory import ice_spec, make_cache
-from .kinds import DENSE, ORACLE, PAGED, SDPA, CacheKind
+from .kinds import DENSE, OFFLOADED, ORACLE, PAGED, SDPA, CacheKind
 from .planner import (
     all_dense,
     dense_clamp,
@@ -51,7 +54,7 @@ from .registry import (
     reads_prompt_queries,
 )
 
-__all__ = ["DENSE", "METHODS", "OMNIKV_FILTERS", "ORACLE", "PAGED", "SDPA", "CacheKind", "Method", "all_dense",
+__all__ = ["DENSE", "METHODS", "OFFLOADED", "OMNIKV_FILTERS", "ORACLE", "PAGED", "SDPA", "CacheKind", "Method", "all_dense",
            "anchor_layers", "check_method", "check_prefill", "dense_clamp", "dense_kv_dtype", "dense_plan",
            "full_prefill_bytes", "get", "host_dtype", "ice_spec", "make_cache", "method_help", "names",
            "plan_run", "positions", "prefill_mode", "prepare_model", "prompt_half", "reads_prompt_queries",

@@ -35,6 +35,7 @@ def ice_spec(settings: Settings, method: Method, softcap: float | None = None):
         answer_spans=settings.answer_spans if method.budgeted else 0,
         host_dtype=host_dtype(settings),
         softcap=softcap or None,
+        attention_backend=settings.attention_backend,
     )
 
 

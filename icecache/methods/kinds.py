@@ -78,6 +78,24 @@ class SdpaKind(CacheKind):
         return sizes.global_layers * sizes.layer + sizes.layer + sizes.windowed, 0
 
 
+class OffloadedKind(SdpaKind):
+    """transformers' ``DynamicCache`` with its offloading on a GPU: every layer's keys and values
+    in host memory, each layer brought to the device for its attention (the next one prefetched
+    meanwhile) and sent back after; the peer a user would try when the KV cache does not fit the
+    card. On a CPU there is nothing to offload to: the same cache as ``full``."""
+
+    name = "offloaded"
+
+    def make(self, method, model, settings, tokens, prompt_tokens, windows):
+        from transformers import DynamicCache
+
+        return DynamicCache(config=model.config, offloading=model.device.type == "cuda")
+
+    def memory(self, method, sizes, settings):
+        # on the device: the layer attending, the next one prefetched and the concatenated copy
+        return 3 * sizes.layer + sizes.windowed, sizes.global_layers * sizes.layer
+
+
 class DenseKind(CacheKind):
     """The project's dense layers, growing in place (no per-step copy)."""
 
@@ -159,4 +177,4 @@ class PagedKind(CacheKind):
         return device, host
 
 
-SDPA, DENSE, ORACLE, PAGED = SdpaKind(), DenseKind(), OracleKind(), PagedKind()
+SDPA, OFFLOADED, DENSE, ORACLE, PAGED = SdpaKind(), OffloadedKind(), DenseKind(), OracleKind(), PagedKind()

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from ..config import Settings
 from ..errors import MethodUnavailable, UsageError
-from .kinds import DENSE, ORACLE, PAGED, SDPA, CacheKind
+from .kinds import DENSE, OFFLOADED, ORACLE, PAGED, SDPA, CacheKind
 
 
 @dataclass(frozen=True)
@@ -14,6 +14,7 @@ class Method:
     """One KV-cache method.
 
     ``cache``: its :class:`~.kinds.CacheKind` (``SDPA``: transformers' ``DynamicCache``;
+    ``OFFLOADED``: the same with its layers in host memory;
     ``DENSE``: growing dense layers; ``PAGED``: :class:`~icecache.cache.IceCache`; ``ORACLE``:
     dense layers, exact top-k attention). ``selector``: the paged cache's page selector (registry name). ``budgeted``:
     whether ``--budget`` means anything to it. ``sparse_prefill``: whether ``--prefill sparse``
@@ -45,6 +46,8 @@ OMNIKV_FILTERS = (2 / 32, 8 / 32, 18 / 32)
 
 METHODS: dict[str, Method] = {m.name: m for m in (
     Method("full", "the whole KV cache, transformers' own (the reference)", SDPA, budgeted=False),
+    Method("offloaded", "the whole KV cache in host memory, each layer streamed to the GPU for its "
+           "attention (transformers' offloaded cache; on a CPU the same as full)", OFFLOADED, budgeted=False),
     Method("dense", "the whole KV cache, growing in place (no per-step copy)", DENSE, budgeted=False),
     Method("ice", "IceCache: budget pages chosen by the DCI-tree, the rest on the host", PAGED,
            selector="dci", sparse_prefill=True, short_dense=True),
