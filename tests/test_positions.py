@@ -161,6 +161,10 @@ def test_remapped_store_holds_the_same_keys_in_a_position_free_frame(sparse, den
     k_true, _ = true_layer.dense_kv()
     k_remap, _ = remap_layer.dense_kv()
     torch.testing.assert_close(k_remap, k_true, atol=1e-4, rtol=1e-4)
+    # made on a named device (the host, as a GPU's bench hands them over): the same rows
+    for cache in caches.values():
+        for (k, v), (hk, hv) in zip(cache.dense_kv(), cache.dense_kv("cpu"), strict=True):
+            assert torch.equal(hk, k) and torch.equal(hv, v)
     # the host store really is position-free: its rows are the keys rotated back to position 0
     first = remap_layer.resident.sink_fill
     rows = remap_layer.store.rows
