@@ -370,7 +370,7 @@ def default_profile_name() -> str:
     if not torch.cuda.is_available():
         return "cpu"
     gib = torch.cuda.get_device_properties(0).total_memory / 2**30
-    return "h100-80gb" if gib >= 60 else "a100-40gb"
+    return "h100-80gb" if gib >= 60 else "a100-40gb" if gib >= 32 else "rtx4090-24gb"
 
 
 def resolve_settings(profile: str | None = None, **flags: Any) -> Settings:
