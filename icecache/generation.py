@@ -39,9 +39,16 @@ class GenerationStats:
     decode_seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)
 
-    @property
-    def ms_per_token(self) -> float:
-        return 1000 * self.decode_seconds / max(1, len(self.step_seconds))
+    def decode_line(self) -> str:
+        """The decode's figures in words: the first step apart (it carries one-time work: the
+        cached kernels loaded, the fused layers made), the later steps' mean, a TPOT."""
+        steps = self.step_seconds
+        new = f"{self.tokens_out} new token{'' if self.tokens_out == 1 else 's'}"
+        if len(steps) < 2:
+            return f"{new} in {1000 * self.decode_seconds:.1f} ms"
+        later = 1000 * sum(steps[1:]) / (len(steps) - 1)
+        return (f"{new} at {later:.1f} ms/token after the first step "
+                f"({1000 * steps[0]:.1f} ms, with one-time set-up)")
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -195,7 +195,7 @@ def _report(reporter: Reporter, runner: Runner, result: TaskResult, settings: Se
         reporter.info(
             f"prompt {s.tokens_in} tokens ({s.tokens_prefilled} computed) in {s.prefill_seconds:.2f} s "
             f"({rate:.0f} tokens/s, {settings.prefill} prefill); "
-            f"{s.tokens_out} new tokens at {s.ms_per_token:.1f} ms/token"
+            f"{s.decode_line()}"
         )
     mem = memory_figures(runner.session.cache)
     result.memory = mem
