@@ -207,7 +207,9 @@ def row_line(r) -> str:
         return head + r.status + (f" ({r.reason})" if r.reason else "")
     return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}), TT2T {r.tt2t_s:.1f} s, "
             f"resident KV {(r.device_kv_bytes or 0) / 2**20:.0f} MiB, host {(r.host_kv_bytes or 0) / 2**20:.0f} MiB, "
-            f"peak RSS {(r.peak_rss_bytes or 0) / 2**30:.2f} GiB")
+            f"peak RSS {(r.peak_rss_bytes or 0) / 2**30:.2f} GiB"
+            + (f", device memory at its decode peak {r.peak_device_bytes / 2**30:.2f} GiB (weights included)"
+               if r.gpu and r.peak_device_bytes else ""))
 
 
 def print_bench_table(rows, n: int, label: str = "") -> None:

@@ -53,6 +53,7 @@ class BenchRow:
     tpot_p90_ms: float | None = None
     device_kv_bytes: int | None = None
     peak_device_bytes: int | None = None  # GPU: max_memory_allocated; CPU: the most KV resident
+    gpu: bool = False  # measured on a GPU (peak_device_bytes then counts the weights too)
     host_kv_bytes: int | None = None
     peak_rss_bytes: int | None = None
     breakdown_ms: dict = field(default_factory=dict)
@@ -100,6 +101,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     row.device_kv_bytes, row.host_kv_bytes = r.device_kv_bytes, r.host_kv_bytes
     row.peak_device_bytes = (torch.cuda.max_memory_allocated() if cuda
                              else max(resident_before, resident_peak, r.device_kv_bytes))
+    row.gpu = cuda
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     row.positions = session.positions
     row.all_dense, row.clamped = session.all_dense, session.clamped
