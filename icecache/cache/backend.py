@@ -58,9 +58,11 @@ class TorchBackend:
         valid rows (``valid``: (H, L) on the host) of k, v (H, L, d) -> (H, G, d); None where it
         does not apply (torch's attention then). A kernel that fails at its first call (say, its
         compile) turns the path off for this cache, with one line on stderr."""
+        if not self.flashinfer:  # every CPU step: nothing more to look at
+            return None
         from . import flashinfer_decode as fi
 
-        if not self.flashinfer or not fi.usable(q, k, softcap):
+        if not fi.usable(q, k, softcap):
             return None
         try:
             decoder = self._decoders.get(layer)
