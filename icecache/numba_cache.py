@@ -30,6 +30,7 @@ KERNEL_FILES = (
     "index/kernels/refine.py",
     "index/kernels/shared.py",
     "int8_rows.py",
+    "prefetch.py",
 )
 
 

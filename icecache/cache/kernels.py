@@ -13,6 +13,7 @@ import numpy as np
 from numba import njit
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+from ..prefetch import prefetch_row
 
 
 @njit(nogil=True, cache=True)
@@ -129,6 +130,10 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
                                pin_version, pin_members, pin_count, 0, main * S, S, hv[main * S :],
                                src, dst, m)
             loaded += got
+        row_bytes = d * store_k.itemsize
+        for i in range(m):  # the rows come from anywhere in the store: ask for them all first
+            prefetch_row(store_k[h], src[i], row_bytes)
+            prefetch_row(store_v[h], src[i], row_bytes)
         for i in range(m):
             r, t = src[i], pool_at + dst[i]
             if track:
