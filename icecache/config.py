@@ -35,6 +35,7 @@ CHAT_CHOICES = ("auto", "family", "plain")  # chat_template; icecache.chat.CHOIC
 POSITIONS = ("auto", "true", "remap")
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 WEIGHT_FORMATS = ("float", "int8", "int4", "auto")  # icecache.weights
+DECODE_INPUTS = ("auto", "float", "int16")  # icecache.int16_inputs
 MAX_THREADS = 256
 # A CUDA (or ROCm) device needs its driver's device files: NVIDIA's, WSL 2's, AMD's
 GPU_DEVICE_FILES = ("/dev/nvidiactl", "/dev/nvidia0", "/proc/driver/nvidia", "/dev/dxg", "/dev/kfd")
@@ -62,6 +63,10 @@ class Settings:
     # holds exactly, as a Q4_1 GGUF's, and the checked int8 LM head; elsewhere float);
     # activations in dtype (icecache.weights.apply_weights)
     weights: str = "auto"
+    # the input of a decode step's 4-bit products (the fused layers, CPU): "float" (float32), "int16"
+    # (rounded per group of 32, the sums in integers; icecache.int16_inputs) or "auto" (int16 where
+    # numba compiles for AVX2, whose vpmaddwd makes it the faster; else float)
+    decode_inputs: str = "auto"
     page_size: int = 16
     budget: int = 256
     sink_pages: int = 2
@@ -205,6 +210,8 @@ def validate(s: Settings, source: str) -> Settings:
         raise bad("dtype", f"must be one of {', '.join(DTYPES)}")
     if s.weights not in WEIGHT_FORMATS:
         raise bad("weights", f"must be one of {', '.join(WEIGHT_FORMATS)}")
+    if s.decode_inputs not in DECODE_INPUTS:
+        raise bad("decode_inputs", f"must be one of {', '.join(DECODE_INPUTS)}")
     if s.weights not in ("float", "auto") and s.device != "cpu":
         raise bad("weights", "other than float run on the CPU only (GPU profiles keep the model's dtype)")
     if s.device_memory_gib < 0:

@@ -258,7 +258,7 @@ class FastStep:
         if self._fused is False or cache is None or in_prompt() or paused():
             return None
         if self._fused is None or not self._fused.current(self.model):
-            self._fused = FusedLayers.of(self.model) or False
+            self._fused = FusedLayers.of(self.model, getattr(self.model, "_icecache_int16_inputs", False)) or False
             if self._fused is False:
                 return None
         return self._fused

@@ -42,7 +42,8 @@ from numba import njit, prange
 from . import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .cache.dense import kernel_rows
 from .cache.score_kernels import dense_decode_fused, exp32, narrow
-from .int8_rows import group_sums, grouped_tile, tile_groups
+from .int8_rows import tile_groups
+from .int16_inputs import prepare_input, tile_product
 
 NO_BIAS = np.zeros(0, np.float32)
 
@@ -78,25 +79,26 @@ def _head_norms(v, heads, d, w, eps):
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, sin, H, Hk, d):
+def decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, sin, H, Hk, d, rounded):
     """A decoder layer up to its attention, for one token: ``x`` (D,) float32 -> (q, k, v)
     (H * d,), (Hk * d,), (Hk * d,) with RoPE on q and k. ``norms[0]`` the input norm's weight;
     ``weights``/``tables``/``biases``/``rows``: the layer's seven products (q, k, v, o, gate,
     up, down) in :func:`~icecache.int8_rows.tile_groups` form (no bias: empty) and their output
     sizes; ``head_norms`` (2, d): q's and k's per-head norms before RoPE (Qwen 3, Gemma 3; none:
-    (0, d)); ``cos``/``sin`` (d,). q, k and v's tiles run in one parallel loop."""
+    (0, d)); ``cos``/``sin`` (d,); ``rounded``: the normed input rounded to int16 for the products of
+    two-a-byte tiles (:mod:`~icecache.int16_inputs`). q, k and v's tiles run in one parallel loop."""
     h = _rms(x, norms[0], eps)
-    sums = group_sums(h)
+    sums, hq, hs = prepare_input(h, rounded)
     q, k, v = np.empty(rows[0], np.float32), np.empty(rows[1], np.float32), np.empty(rows[2], np.float32)
     wq, wk, wv, tq, tk, tv = weights[0], weights[1], weights[2], tables[0], tables[1], tables[2]
     nq, nk = wq.shape[0], wk.shape[0]
     for t in prange(nq + 2 * nk):
         if t < nq:
-            grouped_tile(wq, tq, h, sums, q, t)
+            tile_product(wq, tq, h, sums, hq, hs, q, t)
         elif t < nq + nk:
-            grouped_tile(wk, tk, h, sums, k, t - nq)
+            tile_product(wk, tk, h, sums, hq, hs, k, t - nq)
         else:
-            grouped_tile(wv, tv, h, sums, v, t - nq - nk)
+            tile_product(wv, tv, h, sums, hq, hs, v, t - nq - nk)
     for out, bias in ((q, biases[0]), (k, biases[1]), (v, biases[2])):
         if bias.shape[0]:
             out += bias
@@ -109,12 +111,12 @@ def decoder_pre(x, norms, eps, weights, tables, biases, rows, head_norms, cos, s
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def _product(w, tb, x, rows, bias):
+def _product(w, tb, x, rows, bias, rounded):
     """One layer's grouped-bytes product of ``x`` (its tiles in parallel) plus its bias (empty: none)."""
     out = np.empty(rows, np.float32)
-    sums = group_sums(x)
+    sums, xq, xs = prepare_input(x, rounded)
     for t in prange(w.shape[0]):
-        grouped_tile(w, tb, x, sums, out, t)
+        tile_product(w, tb, x, sums, xq, xs, out, t)
     if bias.shape[0]:
         out += bias
     return out
@@ -133,30 +135,31 @@ SILU, GELU_TANH = 0, 1  # the MLP's activations the fused layers know (decoder_p
 
 
 @njit(parallel=True, fastmath=True, cache=True)
-def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act):
+def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act, rounded):
     """The rest of the layer after its attention: ``x`` (D,) the layer's input, ``attn`` (H * d,)
     its attention's output -> the layer's output. ``norms`` (2, D), the Llama family: the output
     product and the residual, the post-attention norm ``norms[1]``, the MLP and the residual;
     (4, D), Gemma's "sandwich": ``norms[1]`` on the output product before its residual,
     ``norms[2]`` before the MLP and ``norms[3]`` on its output before the residual. ``act``:
-    :data:`SILU` or :data:`GELU_TANH` on the gate; gate and up's tiles in one loop."""
+    :data:`SILU` or :data:`GELU_TANH` on the gate; gate and up's tiles in one loop; ``rounded``: as
+    :func:`decoder_pre`'s, for each product's input."""
     sandwich = norms.shape[0] == 4
-    o = _product(weights[3], tables[3], attn, rows[3], biases[3])
+    o = _product(weights[3], tables[3], attn, rows[3], biases[3], rounded)
     if sandwich:
         x = x + _rms(o, norms[1], eps)
         h = _rms(x, norms[2], eps)
     else:
         x = x + o
         h = _rms(x, norms[1], eps)
-    sums = group_sums(h)
+    sums, hq, hs = prepare_input(h, rounded)
     gate, up = np.empty(rows[4], np.float32), np.empty(rows[5], np.float32)
     wg, wu, tg, tu = weights[4], weights[5], tables[4], tables[5]
     ng = wg.shape[0]
     for t in prange(2 * ng):
         if t < ng:
-            grouped_tile(wg, tg, h, sums, gate, t)
+            tile_product(wg, tg, h, sums, hq, hs, gate, t)
         else:
-            grouped_tile(wu, tu, h, sums, up, t - ng)
+            tile_product(wu, tu, h, sums, hq, hs, up, t - ng)
     if biases[4].shape[0]:
         gate += biases[4]
     if biases[5].shape[0]:
@@ -167,7 +170,7 @@ def decoder_post(x, attn, norms, eps, weights, tables, biases, rows, act):
             mixed[i] = _gelu_tanh(gate[i]) * up[i]
         else:
             mixed[i] = gate[i] / (np.float32(1.0) + exp32(-gate[i])) * up[i]
-    m = _product(weights[6], tables[6], mixed, rows[6], biases[6])
+    m = _product(weights[6], tables[6], mixed, rows[6], biases[6], rounded)
     if sandwich:
         m = _rms(m, norms[3], eps)
     return x + m
@@ -184,8 +187,8 @@ def decoder_layer(x, layer, cos, sin, kbuf, vbuf, slot, rows, scale, cap, H, Hk,
     :meth:`~icecache.cache.dense.GrowingLayer.clamp_rows`: the first ``c`` rows score against
     ``k0buf``, the oldest keys un-rotated, with the query turned by ``turn`` (d, d)),
     :func:`decoder_post`. ``layer``: the layer's values, :attr:`FusedLayers.layers`."""
-    norms, eps, weights, tables, biases, wrows, head_norms, act = layer
-    q, k, v = decoder_pre(x, norms, eps, weights, tables, biases, wrows, head_norms, cos, sin, H, Hk, d)
+    norms, eps, weights, tables, biases, wrows, head_norms, act, rounded = layer
+    q, k, v = decoder_pre(x, norms, eps, weights, tables, biases, wrows, head_norms, cos, sin, H, Hk, d, rounded)
     for g in range(Hk):
         for j in range(d):
             kbuf[g, slot, j] = narrow(k[g * d + j], kbuf[g, slot, j])
@@ -202,7 +205,7 @@ def decoder_layer(x, layer, cos, sin, kbuf, vbuf, slot, rows, scale, cap, H, Hk,
                         far[i, g, j] += a * turn[m, j]
     attn = np.empty((Hk, H // Hk, d), np.float32)
     dense_decode_fused(q3, kbuf, vbuf, rows, scale, cap, far, k0buf, c, attn)
-    return decoder_post(x, attn.reshape(H * d), norms, eps, weights, tables, biases, wrows, act)
+    return decoder_post(x, attn.reshape(H * d), norms, eps, weights, tables, biases, wrows, act, rounded)
 
 
 @njit(fastmath=True, cache=True)
@@ -248,7 +251,7 @@ def _norm_of(norm: Any, gemma: bool) -> tuple[np.ndarray, float]:
 
 class FusedLayers:
     """The values :func:`decoder_layer` reads, per layer (made once per model, :meth:`of`):
-    ``layers[i]`` is ``(norms, eps, weights, tables, biases, rows, head_norms, act)``, the
+    ``layers[i]`` is ``(norms, eps, weights, tables, biases, rows, head_norms, act, rounded)``, the
     arguments of :func:`decoder_pre` and :func:`decoder_post`; ``modules[i]`` the seven linear
     modules they were made from."""
 
@@ -270,8 +273,9 @@ class FusedLayers:
         return (a.q_proj, a.k_proj, a.v_proj, a.o_proj, mlp.gate_proj, mlp.up_proj, mlp.down_proj)
 
     @staticmethod
-    def of(model: Any) -> FusedLayers | None:
-        """The model's fused layers, or None where a layer cannot be fused (module docstring)."""
+    def of(model: Any, rounded: bool = False) -> FusedLayers | None:
+        """The model's fused layers, or None where a layer cannot be fused (module docstring);
+        ``rounded``: their products of two-a-byte tiles take the input rounded to int16."""
         config = model.config
         gemma = config.model_type in ("gemma2", "gemma3_text")
         act = ACTIVATIONS.get(getattr(config, "hidden_activation", None) or getattr(config, "hidden_act", "silu"))
@@ -298,7 +302,7 @@ class FusedLayers:
             biases = tuple(NO_BIAS if m.bias is None else m.bias.detach().float().contiguous().numpy() for m in mods)
             layers.append((np.stack([w for w, _ in norms]), np.float32(eps.pop()), tuple(m[0] for m in made),
                            tuple(m[1] for m in made), biases, np.array([m.out_features for m in mods], np.int64),
-                           head_norms, act))
+                           head_norms, act, rounded))
             modules.append(mods)
         return FusedLayers(layers, modules)
 
@@ -460,12 +464,12 @@ def run_split(fused: FusedLayers, attention, x: torch.Tensor, angles: list, head
     ``angles[i]`` layer ``i``'s (cos, sin), d values each (Gemma 3: one pair per RoPE kind)."""
     xn = x.detach().contiguous().numpy()
     angle, coss, sins = _angle_table(angles)
-    for i, (norms, eps, weights, tables, biases, rows, head_norms, act) in enumerate(fused.layers):
+    for i, (norms, eps, weights, tables, biases, rows, head_norms, act, rounded) in enumerate(fused.layers):
         q, k, v = decoder_pre(xn, norms, eps, weights, tables, biases, rows, head_norms, coss[angle[i]], sins[angle[i]],
-                              heads, kv_heads, d)
+                              heads, kv_heads, d, rounded)
         out = attention(i, torch.from_numpy(q).view(1, 1, heads, d).transpose(1, 2),
                         torch.from_numpy(k).view(1, 1, kv_heads, d).transpose(1, 2),
                         torch.from_numpy(v).view(1, 1, kv_heads, d).transpose(1, 2))
         xn = decoder_post(xn, out.detach().reshape(-1).float().contiguous().numpy(), norms, eps, weights, tables,
-                          biases, rows, act)
+                          biases, rows, act, rounded)
     return torch.from_numpy(xn)

@@ -313,6 +313,15 @@ def check_architecture(model: Any) -> None:
                          "position embeddings (RoPE), which it does not have")
 
 
+def int16_inputs(settings) -> bool:
+    """Whether a decode step's 4-bit products take their input rounded to int16 (``decode_inputs``)."""
+    if settings.decode_inputs == "auto":
+        from .int16_inputs import avx2
+
+        return settings.device == "cpu" and avx2()
+    return settings.decode_inputs == "int16"
+
+
 def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
                resolved: tuple[str, str, dict, bool] | None = None) -> LoadedModel:
     """Load a causal LM and its tokenizer, offline, in ``settings.dtype`` on ``settings.device``.
@@ -362,6 +371,8 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
                                 gguf=gguf_source(source))
         if settings.weights == "auto":
             log(f"weights: {weights} (auto: {describe_formats(weight_formats(model))})")
+    # the fused decode layers' products (icecache.fast_step reads it when it makes them)
+    model._icecache_int16_inputs = int16_inputs(settings)
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,

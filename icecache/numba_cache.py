@@ -29,6 +29,7 @@ KERNEL_FILES = (
     "index/kernels/query.py",
     "index/kernels/refine.py",
     "index/kernels/shared.py",
+    "int16_inputs.py",
     "int8_rows.py",
     "prefetch.py",
 )

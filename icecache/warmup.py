@@ -114,7 +114,7 @@ def compile_cache() -> None:
     tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
     f32 = np.float32
     layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7, np.full(7, 64, np.int64),
-             np.zeros((0, 16), f32), SILU)
+             np.zeros((0, 16), f32), SILU, False)
     for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
         kbuf, vbuf = np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd)
         decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, 1, f32(0.25),

@@ -53,6 +53,7 @@ BAD_PROFILES = [
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),
     ("dtype: int8\n", "key 'dtype' must be one of float32"),
     ("host_dtype: int8\n", "key 'host_dtype' must be one of auto, float32"),
+    ("decode_inputs: int8\n", "key 'decode_inputs' must be one of auto, float, int16"),
     ("host_memory_gib: 0\n", "key 'host_memory_gib' must be > 0"),
     ("chunk_size: 100\n", "key 'chunk_size' must be a positive multiple of page_size"),
     ("max_context: 300\n", "key 'max_context' must hold at least sink + window + budget (416 tokens)"),

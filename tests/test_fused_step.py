@@ -86,6 +86,37 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
         assert all(torch.equal(a.keys, b.keys) for a, b in zip(cache.layers, twin.layers, strict=True))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "gemma3"])
+@pytest.mark.parametrize("method", ["dense", "full"])
+def test_int16_inputs_decode_near_the_float_forward(arch, method):
+    """``decode_inputs: int16`` (icecache.int16_inputs): the two-a-byte layers' products take
+    their input rounded to int16; 64 steps' logits stay within 1e-3 of the largest of the float
+    model's forward (0.6-3.3e-4 seen on these random models; the float inputs: 1e-5, above), and
+    they are not the float inputs' logits."""
+    float_model, model = exact_int4(arch)
+    fused = FusedLayers.of(model, rounded=True)
+    assert all(layer[-1] for layer in fused.layers)
+    assert any(2 * w.shape[1] == m.in_features for layer, mods in zip(fused.layers, fused.modules, strict=True)
+               for w, m in zip(layer[2], mods, strict=True))  # some tiles two values a byte: rounded
+    g = torch.Generator().manual_seed(11)
+    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
+    forced = torch.randint(0, 97, (64,), generator=g).tolist()
+    settings = small_settings(dense_until=1024)
+    total = len(prompt) + len(forced) + 1
+    from transformers import DynamicCache
+
+    ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
+    outs = {}
+    for rounded in (False, True):
+        model._icecache_int16_inputs = rounded
+        prepare_model(method, model, settings, total)
+        outs[rounded] = forced_logits(model, make_cache(method, model, settings, total), prompt, forced,
+                                      FastStep(model))
+    worst = max(float((a - b).abs().max()) / float(a.abs().max()) for a, b in zip(ref, outs[True], strict=True))
+    assert worst <= 1e-3, f"{arch} {method}: {worst:.2e}"
+    assert any(not torch.equal(a, b) for a, b in zip(outs[False], outs[True], strict=True))
+
+
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 def test_every_method_runs_the_split_layers_as_the_torch_step(arch, monkeypatch):
     """Every method (small pages and budgets, as tests/test_fast_step.py): the fused layers' two
@@ -169,11 +200,11 @@ def test_the_embedded_models_fused_steps_are_its_float_forward(loaded, monkeypat
     from icecache.config import resolve_settings
     from icecache.models import load_model
 
-    int4 = load_model(None, resolve_settings("cpu", weights="int4")).model
+    int4 = load_model(None, resolve_settings("cpu", weights="int4", decode_inputs="float")).model
     int4.lm_head = loaded.model.lm_head  # (the float head: the checked head's other logits are int8's)
     ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
     forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
-    settings = resolve_settings("cpu", weights="int4").replace(chunk_size=256)
+    settings = resolve_settings("cpu", weights="int4", decode_inputs="float").replace(chunk_size=256)
     total = len(ids) + len(forced) + 1
     ref = forced_logits(loaded.model, DynamicCache(config=loaded.model.config), ids, forced)
     prepare_model("ice", int4, settings, total)
@@ -252,3 +283,16 @@ def test_the_row_lists_follow_the_layers_buffers():
         g.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
     assert (mixed[0]._k.dtype, mixed[1]._k.dtype) == (torch.float16, torch.float32)
     assert _row_lists(mixed) is None
+
+
+def test_decode_inputs_reach_the_embedded_models_fused_layers():
+    """``decode_inputs`` as loaded: ``float`` and ``int16`` as named, ``auto`` int16 where numba
+    compiles for AVX2; the fused layers of the step take it."""
+    from icecache.config import resolve_settings
+    from icecache.int16_inputs import avx2
+    from icecache.models import load_model
+
+    for choice, rounded in (("float", False), ("int16", True), ("auto", avx2())):
+        model = load_model(None, resolve_settings("cpu", decode_inputs=choice)).model
+        fused = FastStep(model)._fused_layers(cache=object())
+        assert fused is not None and all(layer[-1] is rounded for layer in fused.layers), choice
