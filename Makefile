@@ -23,7 +23,7 @@ STAMP = $(VENV)/.icecache-installed
 WARM = $(VENV)/.icecache-warm
 # (every file of icecache/numba_cache.py's KERNEL_FILES; tests/test_numba_cache.py checks the list)
 KERNELS = icecache/numba_cache.py icecache/cache/kernels.py icecache/cache/score_kernels.py icecache/fused_step.py \
-	icecache/int8_rows.py $(wildcard icecache/index/kernels/*.py)
+	icecache/int8_rows.py icecache/int16_inputs.py icecache/prefetch.py $(wildcard icecache/index/kernels/*.py)
 
 .PHONY: setup demo test test-slow lint bench clean-venv
 

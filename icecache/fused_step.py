@@ -19,7 +19,9 @@ layer of the step one call where none clamps its distances and their buffers sha
 rows runs in numba too (:func:`~icecache.cache.score_kernels.dense_decode_fused`).
 
 The products run from each layer's weights held as bytes (4-bit values two a byte) with a step and
-a minimum per group of 32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32): a GGUF layer's own
+a minimum per group of 32 inputs (:func:`~icecache.int8_rows.grouped_tile`, the input in float32;
+with ``decode_inputs: int16`` the two-a-byte tiles take it rounded to int16 and sum in integers,
+:mod:`~icecache.int16_inputs`): a GGUF layer's own
 (:class:`~icecache.gguf_weights.GroupedLinear`), or an exact int4 layer's values
 (:class:`~icecache.weights.Int4Linear`, made at the first step: two values a byte beside its
 own packed form). Which models: the fast step's (Llama, Mistral, Qwen 2 and 3, Gemma 2 and 3:
@@ -27,7 +29,8 @@ their norms, Gemma's ``1 + weight`` and its norms around the attention and the M
 GELU's tanh form) whose every layer's seven products are one of those two, on the CPU in
 float32, outside a prompt; otherwise the torch step, which stays the reference
 (tests/test_fused_step.py: 64 steps' logits within float rounding of transformers' forward over
-the same values in float32, and every method against the float model's torch step).
+the same values in float32, and every method against the float model's torch step; int16 inputs
+within 1e-3 of the largest logit).
 """
 
 from __future__ import annotations

@@ -369,10 +369,11 @@ def load_model(spec: str | None, settings: Settings, log: Log = _quiet,
 
         weights = apply_weights(model, settings.weights, torch.device(settings.device).type,
                                 gguf=gguf_source(source))
-        if settings.weights == "auto":
-            log(f"weights: {weights} (auto: {describe_formats(weight_formats(model))})")
     # the fused decode layers' products (icecache.fast_step reads it when it makes them)
     model._icecache_int16_inputs = int16_inputs(settings)
+    if settings.weights == "auto":
+        rounded = "; decode products with int16 inputs" if model._icecache_int16_inputs else ""
+        log(f"weights: {weights} (auto: {describe_formats(weight_formats(model))}){rounded}")
     context = int(getattr(model.config, "max_position_embeddings", 0) or settings.max_context)
     return LoadedModel(
         model=model,
