@@ -19,6 +19,14 @@ from . import numba_cache  # noqa: F401  (numba's cache folder: before any kerne
 LINE = 64  # bytes between two hints: the cache line of x86-64 and most ARM cores
 
 
+def _hint_name() -> str:
+    """``llvm.prefetch`` as this LLVM names it for a byte pointer: ``.p0`` where pointers are
+    opaque (LLVM 17 on, the only kind), ``.p0i8`` on the older typed pointers."""
+    import llvmlite.binding as llvm
+
+    return "llvm.prefetch.p0" if llvm.llvm_version_info >= (17,) else "llvm.prefetch.p0i8"
+
+
 @intrinsic
 def prefetch_row(typingctx, arr, i, nbytes):
     """``prefetch_row(arr, i, nbytes)`` in a numba kernel: hint the ``nbytes`` bytes from the
@@ -38,7 +46,7 @@ def prefetch_row(typingctx, arr, i, nbytes):
         n = context.cast(builder, args[2], nty, types.intp)
         i32 = ir.IntType(32)
         hint = cgutils.get_or_insert_function(
-            builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]), "llvm.prefetch.p0")
+            builder.module, ir.FunctionType(ir.VoidType(), [byte, i32, i32, i32]), _hint_name())
         step = ir.Constant(n.type, LINE)
         with cgutils.for_range_slice(builder, ir.Constant(n.type, 0), n, step, inc=True) as (at, _):
             # read (0), keep in every cache level (3), data (1)
