@@ -45,6 +45,19 @@ def forced_logits(model, cache, prompt: list[int], forced: list[int], step=None)
     return out
 
 
+def _dense_run(float_model, seed: int):
+    """A run short enough to stay dense (a 90-token prompt, 64 forced tokens, ``dense_until``
+    1024): (prompt, forced, settings, total tokens, the float model's logits of each forced step
+    by transformers' forward)."""
+    from transformers import DynamicCache
+
+    g = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
+    forced = torch.randint(0, 97, (64,), generator=g).tolist()
+    ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
+    return prompt, forced, small_settings(dense_until=1024), len(prompt) + len(forced) + 1, ref
+
+
 @pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3", "gemma2", "gemma3"])
 @pytest.mark.parametrize("method", ["dense", "ice", "full"])
 def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
@@ -56,14 +69,7 @@ def test_fused_layers_decode_as_the_float_forward(arch, method, monkeypatch):
     model's forward over the same values (the prompt longer than the tiny Gemmas' window of 24,
     so their rings wrap)."""
     float_model, model = exact_int4(arch)
-    g = torch.Generator().manual_seed(7)
-    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
-    forced = torch.randint(0, 97, (64,), generator=g).tolist()
-    settings = small_settings(dense_until=1024)
-    total = len(prompt) + len(forced) + 1
-    from transformers import DynamicCache
-
-    ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
+    prompt, forced, settings, total, ref = _dense_run(float_model, seed=7)
     prepare_model(method, model, settings, total)
     calls, whole = [], []
     step = FastStep(model)
@@ -98,14 +104,7 @@ def test_int16_inputs_decode_near_the_float_forward(arch, method):
     assert all(layer[-1] for layer in fused.layers)
     assert any(2 * w.shape[1] == m.in_features for layer, mods in zip(fused.layers, fused.modules, strict=True)
                for w, m in zip(layer[2], mods, strict=True))  # some tiles two values a byte: rounded
-    g = torch.Generator().manual_seed(11)
-    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
-    forced = torch.randint(0, 97, (64,), generator=g).tolist()
-    settings = small_settings(dense_until=1024)
-    total = len(prompt) + len(forced) + 1
-    from transformers import DynamicCache
-
-    ref = forced_logits(float_model, DynamicCache(config=float_model.config), prompt, forced)
+    prompt, forced, settings, total, ref = _dense_run(float_model, seed=11)
     outs = {}
     for rounded in (False, True):
         model._icecache_int16_inputs = rounded
