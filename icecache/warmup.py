@@ -20,10 +20,18 @@ KV_HEADS = (1, 2, 3, 4, 8)
 
 
 def compile_index(head_dim: int = 64, group: int = 3, kv_heads=KV_HEADS) -> None:
-    """Build, insert into and query small DCI-trees (every kernel the cache calls)."""
+    """Build, insert into and query small DCI-trees (every kernel the cache calls), with the
+    walks on float keys and on their int8 copy (``index_walk_keys``)."""
+    from .index.config import WALK_KEYS
+
+    for walk_keys in WALK_KEYS:
+        _compile_trees(head_dim, group, kv_heads, walk_keys)
+
+
+def _compile_trees(head_dim: int, group: int, kv_heads, walk_keys: str) -> None:
     from .index import DCITree, IndexConfig, select_layer
 
-    cfg = IndexConfig()
+    cfg = IndexConfig(walk_keys=walk_keys)
     rng = np.random.default_rng(0)
     trees = []
     for _ in range(max(kv_heads)):

@@ -40,6 +40,9 @@ def index(
     refine: Annotated[str | None, typer.Option("--refine", help="Lloyd passes over the bottom level's grouping "
                                                "(0: none), or several comma-separated (same keys). Default: "
                                                "the cpu profile's index_refine.", show_default=False)] = None,
+    walk_keys: Annotated[str | None, typer.Option("--walk-keys", help="The keys a decode step's walk scores: "
+                                                  "float32, int8, or both comma-separated (same keys). Default: "
+                                                  "the cpu profile's index_walk_keys.", show_default=False)] = None,
     pick: Annotated[str, typer.Option("--pick", help="Token-pick multiples measured beside the pages "
                                       "(ice_pickM: the budget's best tokens among M x the budget in "
                                       "pages), comma-separated; 0: none.")] = "4",
@@ -51,7 +54,7 @@ def index(
     from icecache.bench.capture import capture
     from icecache.bench.index_bench import IndexBenchResult, run_layer
     from icecache.index import IndexConfig
-    from icecache.index.config import MERGES
+    from icecache.index.config import MERGES, WALK_KEYS
     from icecache.models import load_model
 
     with user_errors(), Reporter(quiet) as rep:
@@ -74,14 +77,20 @@ def index(
             if m not in MERGES:
                 raise UsageError(f"--merge: '{m}' is not one of {', '.join(MERGES)}")
         refines = parse_whole_numbers(refine, "--refine", lambda r: 0 <= r <= 10, "from 0 to 10")
+        walk_keys = settings.tuned("index_walk_keys") if walk_keys is None else walk_keys
+        walks = [w.strip() for w in walk_keys.split(",") if w.strip()]
+        for w in walks:
+            if w not in WALK_KEYS:
+                raise UsageError(f"--walk-keys: '{w}' is not one of {', '.join(WALK_KEYS)}")
         picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
                                                      "0 or from 2 to 16") if m)
         beams = (parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None
                  else [settings.tuned("index_beam")])
         loaded = load_model(model, settings, log=rep.info)
         frac = settings.tuned("index_beam_frac") if beam_frac is None else beam_frac
-        configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r)
-                   for b in beams for p in modes for m in merges for r in refines]
+        configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r,
+                               walk_keys=w)
+                   for b in beams for p in modes for m in merges for r in refines for w in walks]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
@@ -91,7 +100,7 @@ def index(
                 res = IndexBenchResult(keys=n, budgets=budget_list)
                 for layer in layer_ids:
                     rep.info(f"measuring layer {layer} (beam {cfg.beam}, beam_frac {cfg.beam_frac:g}, {cfg.pages} "
-                             f"pages, {cfg.merge} merge, refine {cfg.refine})")
+                             f"pages, {cfg.merge} merge, refine {cfg.refine}, {cfg.walk_keys} walk keys)")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
                               settings.sink_pages, settings.window_pages, cfg, picks)
                 summary = res.summary()
@@ -106,7 +115,7 @@ def index(
 def print_table(s: dict) -> None:
     t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, beam {s['config']['beam']} "
                 f"(beam_frac {s['config']['beam_frac']:g}), {s['config']['pages']} pages, {s['config']['merge']} merge, "
-                f"refine {s['config']['refine']}", box=None)
+                f"refine {s['config']['refine']}, {s['config']['walk_keys']} walk keys", box=None)
     # one row per selection, one column per budget: the table stays narrow as methods are added
     t.add_column("attention mass")
     by_budget = s["attention_mass_by_budget"]

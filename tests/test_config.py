@@ -49,6 +49,7 @@ BAD_PROFILES = [
     ("window_pages: 0\n", "key 'window_pages' must be >= 1"),
     ("index_pages: kmeans\n", "key 'index_pages' must be 'projection' or 'similar'"),
     ("index_merge: sum\n", "key 'index_merge' must be one of ranks, mass, peaks"),
+    ("index_walk_keys: int4\n", "key 'index_walk_keys' must be one of float32, int8"),
     ("tail_budget: 24\n", "key 'tail_budget' must be a positive multiple of page_size (16)"),
     ("device: tpu\n", "key 'device' must be 'cpu', 'cuda' or 'cuda:N'"),
     ("dtype: int8\n", "key 'dtype' must be one of float32"),

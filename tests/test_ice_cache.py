@@ -529,7 +529,8 @@ def test_carry_pages_keeps_what_a_wider_search_found():
     missed = 0
     for carry in (6, 20, 0):
         s = IceSpec(page_size=S, budget_pages=6,
-                    tuning=dataclasses.replace(LAB_DCI, carry_pages=carry, index_beam=2, index_beam_frac=0.0))
+                    tuning=dataclasses.replace(LAB_DCI, carry_pages=carry, index_beam=2, index_beam_frac=0.0,
+                                                 index_walk_keys="float32"))  # (exact scores: ranked as exact search ranks)
         sel = make_selector(s)
         keys = np.stack([clustered(n, d=d, clusters=60, seed=30 + h) for h in range(H)]).astype(np.float32)
         sel.build(torch.from_numpy(keys), 0, n, n + 64)
@@ -567,7 +568,8 @@ def test_prefill_beam_widens_only_the_prefill_search():
     narrow_missed = 0
     for beam in (0, n):
         s = IceSpec(page_size=S, budget_pages=6,
-                    tuning=dataclasses.replace(LAB_DCI, prefill_beam=beam, index_beam=2, index_beam_frac=0.0))
+                    tuning=dataclasses.replace(LAB_DCI, prefill_beam=beam, index_beam=2, index_beam_frac=0.0,
+                                                 index_walk_keys="float32"))  # (exact scores, as above)
         sel = make_selector(s)
         sel.build(torch.from_numpy(keys), 0, n, n + 64)
         for trial in range(4):

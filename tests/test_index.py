@@ -652,3 +652,110 @@ def test_a_bulk_insert_leaves_room_for_the_first_decode_evictions(monkeypatch, p
         plain.insert(keys[2500 + i * S : 2500 + (i + 1) * S])
     for a, b in zip(t.search(q, 10), plain.search(q, 10), strict=True):
         assert np.array_equal(a, b)
+
+
+# -- the walks' int8 keys (walk_keys: int8) ---------------------------------------------------
+
+
+def check_int8_copy(t: DCITree) -> None:
+    """Every live page's int8 copy is its float keys rounded: ``step = max |k| / 127`` a key and
+    each element within half a step of the key's own (the transform's last coordinate left out)."""
+    live = t.live_pages()
+    assert t.K8.shape == (t.pcap, t.cfg.page_size, t.d) and t.K8_steps.shape == (t.pcap, t.cfg.page_size)
+    for p in live:
+        c = t.count[p]
+        keys = t.PX[p, :c, : t.d].astype(np.float64)
+        steps = t.K8_steps[p, :c].astype(np.float64)
+        top = np.abs(keys).max(1)
+        np.testing.assert_allclose(steps, np.where(top > 0, top / 127, 1.0), rtol=1e-6)
+        err = np.abs(t.K8[p, :c].astype(np.float64) * steps[:, None] - keys)
+        assert (err <= steps[:, None] * (0.5 + 1e-5)).all()
+
+
+@pytest.mark.parametrize("pages", ["projection", "similar"])
+def test_int8_walk_keys_follow_every_insert_and_refinement(pages):
+    """The int8 copy is made again for each page an insert (a bulk build, point-by-point inserts
+    that split pages and grow the page arrays) or a refinement changes: it stays the float keys
+    rounded, page for page."""
+    rng = np.random.default_rng(3)
+    t = DCITree(8, IndexConfig(page_size=4, ratio_bottom=0.1, ratio_upper=0.3, pages=pages, refine=2,
+                               refine_candidates=4, refine_min=16, walk_keys="int8"), capacity=16)
+    t.insert(clustered(300, d=8, seed=1))
+    check_int8_copy(t)
+    pcap = t.pcap
+    for b in (1, 3, 17, 1, 60, 2, 200):
+        t.insert((clustered(b, d=8, seed=int(rng.integers(1 << 30))) * rng.uniform(0.5, 3)).astype(np.float32))
+        check_int8_copy(t)
+    assert t.pcap > pcap  # the page arrays grew, the copy with them
+    t.refine(None, 2)
+    check_int8_copy(t)
+    # a float-keys tree keeps no copy
+    f = DCITree(8, IndexConfig(page_size=4, ratio_bottom=0.1))
+    f.insert(clustered(300, d=8, seed=1))
+    assert f.K8.shape[0] == 0 and f.walk_keys()[0] is f.PX
+
+
+def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys():
+    """A full-beam walk over the int8 copy ranks points and pages exactly as exact search over the
+    rounded keys does (step x int8 row); its scores are within the rounding's bound of the float
+    ones, and differ from them (so the walk did read the copy)."""
+    keys = clustered(2000, seed=5)
+    t = DCITree(16, IndexConfig(page_size=8, beam=10_000, ratio_bottom=0.05, walk_keys="int8"))
+    t.insert(keys)
+    at = t.tok_page[: t.n], t.tok_slot[: t.n]
+    rounded = t.K8[at].astype(np.float32) * t.K8_steps[at][:, None]
+    queries = clustered(3, seed=9)
+    ids, scores = t.search_group(queries, 32)
+    differ = False
+    for r, q in enumerate(queries):
+        assert set(ids[r].tolist()) == set(exact_topk(rounded, q, 32).tolist())
+        np.testing.assert_allclose(scores[r], rounded[ids[r]] @ q, rtol=1e-4, atol=1e-3)
+        bound = t.K8_steps[t.tok_page[ids[r]], t.tok_slot[ids[r]]] / 2 * np.abs(q).sum() + 1e-3
+        assert (np.abs(scores[r] - keys[ids[r]] @ q) <= bound).all()
+        differ |= not np.allclose(scores[r], keys[ids[r]] @ q, rtol=1e-6, atol=0)
+    assert differ
+    got = t.select_group(queries, 64, 6)
+    ref = merge_group_pages(
+        [ranked_pages(exact_topk(rounded, q, 64).astype(np.int32), t.tok_page, 6) for q in queries], 6)
+    assert got.tolist() == ref.tolist()
+
+
+@pytest.mark.parametrize("walk_keys", ["float32", "int8"])
+def test_select_layer_with_either_walk_keys_equals_per_tree_selection(walk_keys):
+    """The layer's parallel walk reads the same keys as each tree's own walk (and the carried
+    pages' path too): the same pages, head by head."""
+    from icecache.index.walk import select_layer
+
+    trees = []
+    for h, n in enumerate((4000, 2500, 6000)):
+        t = DCITree(16, IndexConfig(page_size=8, beam=5, beam_frac=0.0, walk_keys=walk_keys))
+        t.insert(clustered(n, seed=20 + h))
+        trees.append(t)
+    queries = np.stack([clustered(3, seed=30 + h) for h in range(3)])
+    extra = [t.live_pages()[:5] for t in trees]
+    for ex in (None, extra):
+        want = [t.select_group(queries[h], 48, 6, extra=None if ex is None else ex[h]) for h, t in enumerate(trees)]
+        got = select_layer(trees, queries, 48, 6, extra=ex)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+def test_a_tree_without_an_int8_copy_makes_it_at_its_first_walk():
+    """A tree saved by a run that kept no int8 copy (float walk keys, or before the copy
+    existed), read by a run that walks int8 keys: the copy is made whole at the first walk and
+    the selection is a fresh int8 tree's."""
+    import dataclasses
+
+    keys = clustered(3000, seed=6)
+    queries = clustered(3, seed=10)
+    cfg = IndexConfig(page_size=8, beam=6, walk_keys="int8")
+    fresh = DCITree(16, cfg)
+    fresh.insert(keys)
+    old = DCITree(16, dataclasses.replace(cfg, walk_keys="float32"))
+    old.insert(keys)
+    del old.K8, old.K8_steps  # as a tree saved before the copy existed: the class's empty ones
+    assert old.K8.shape[0] == 0
+    old.cfg = cfg
+    assert old.select_group(queries, 64, 6).tolist() == fresh.select_group(queries, 64, 6).tolist()
+    check_int8_copy(old)
+    old.insert(clustered(50, seed=11))  # and it is kept from then on
+    check_int8_copy(old)

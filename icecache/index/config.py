@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 from .kernels.shared import MERGES  # the GQA merge rules, in the order of their kernel codes
 
+WALK_KEYS = ("float32", "int8")  # what a shared walk scores (IndexConfig.walk_keys)
+
 
 @dataclass(frozen=True)
 class IndexConfig:
@@ -32,6 +34,11 @@ class IndexConfig:
     moves to the parent, among its parent's ``refine_candidates`` nearest, whose children's mean
     is nearest; the parents whose children changed are cut into pages again (``pages``'s rule).
     Parents stay points of the level above; a walk still scores them by their own keys.
+    ``walk_keys``: the keys a shared walk (a decode step's search) scores: ``float32`` (the
+    transformed keys themselves) or ``int8`` (a copy of each key rounded to int8 with a step of
+    its own, ``max |k| / 127``, kept beside them page by page: a page's 16 keys in 1 KiB against
+    4 KiB; see :func:`~icecache.index.kernels.shared.quantize_pages`). The builds, the lone
+    queries and the parents' searches always read the float keys.
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
@@ -55,10 +62,13 @@ class IndexConfig:
     refine: int = 0
     refine_candidates: int = 8
     refine_min: int = 256
+    walk_keys: str = "float32"
 
     def __post_init__(self):
         if self.merge not in MERGES:
             raise ValueError(f"merge must be one of {', '.join(MERGES)}")
+        if self.walk_keys not in WALK_KEYS:
+            raise ValueError(f"walk_keys must be one of {', '.join(WALK_KEYS)}")
         if self.pages not in ("projection", "similar"):
             raise ValueError("pages must be 'projection' or 'similar'")
         if self.promotion not in ("deterministic", "random"):

@@ -63,6 +63,10 @@ class DCITree:
         # then grow by a quarter). A page's transformed keys are most of the index's memory.
         self._alloc_pages(max(16, capacity * 5 // (4 * self.cfg.page_size)))
 
+    # the walks' int8 copy (walk_keys: int8) where a saved tree has none: none (_walk_copy makes it)
+    K8 = np.zeros((0, 1, 1), np.int8)
+    K8_steps = np.zeros((0, 1), np.float32)
+
     # -- copies -----------------------------------------------------------------------------
     _shared = False  # arrays shared with a copy (:meth:`__deepcopy__`): copied before any write
 
@@ -90,7 +94,7 @@ class DCITree:
     # -- storage ----------------------------------------------------------------------------
     POINT_ARRAYS = ("sqnorm", "proj", "level", "parent", "pos", "tok_page", "tok_slot",
                     "first_page", "node_size")
-    PAGE_ARRAYS = ("members", "PX", "count", "next_page", "owner", "lo", "hi", "dirty")
+    PAGE_ARRAYS = ("members", "PX", "count", "next_page", "owner", "lo", "hi", "dirty", "K8", "K8_steps")
 
     def _alloc(self, cap: int) -> None:
         """Point arrays for ``cap`` points; page arrays start small and grow with the pages."""
@@ -119,6 +123,11 @@ class DCITree:
         self.lo = np.zeros(pcap, np.float32)
         self.hi = np.zeros(pcap, np.float32)
         self.dirty = np.zeros(pcap, np.bool_)
+        # ``walk_keys: int8``: the keys again, rounded to int8 with a step a key, for the walks
+        # to read (quantize_pages); no rows where the walks read PX
+        rows = pcap if self.cfg.walk_keys == "int8" else 0
+        self.K8 = np.zeros((rows, S, self.d), np.int8)
+        self.K8_steps = np.zeros((rows, S), np.float32)
         self.pcap = pcap
 
     def _grow(self, need: int, exact: bool = False) -> None:
@@ -138,10 +147,13 @@ class DCITree:
         if need <= self.pcap:
             return
         pcap = need if exact else max(need, self.pcap + self.pcap // 4, 16)
+        self._walk_copy()
         old = {name: getattr(self, name) for name in self.PAGE_ARRAYS}
         self._alloc_pages(pcap)
         for name, arr in old.items():
-            getattr(self, name)[: arr.shape[0]] = arr
+            new = getattr(self, name)
+            n = min(new.shape[0], arr.shape[0])  # (an int8 copy that this tree's walks do not read: none)
+            new[:n] = arr[:n]
 
     # -- levels -------------------------------------------------------------------------------
     def _levels(self, start: int, n: int) -> np.ndarray:
@@ -232,7 +244,9 @@ class DCITree:
                 self._touched, self._pending = [], 0
         if m > 64:
             self._reserve_for_steps()
-        return np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
+        dirty = np.flatnonzero(self.dirty[: self.npages]).astype(np.int32)
+        self._requantize(dirty)
+        return dirty
 
     def _reserve_for_steps(self) -> None:
         """After a bulk insert (a build, a prompt chunk): room for :data:`STEP_RESERVE` decode
@@ -256,7 +270,35 @@ class DCITree:
         parents whose children changed (and ``nodes``) get their pages cut again; changed pages
         are marked dirty. Returns how many points changed parent.
         """
-        return refine_bottom(self, nodes, passes)
+        moved = refine_bottom(self, nodes, passes)
+        self._requantize(np.flatnonzero(self.dirty[: self.npages]).astype(np.int32))
+        return moved
+
+    # -- the walks' int8 keys (walk_keys: int8) ---------------------------------------------------
+    def _walk_copy(self) -> bool:
+        """Whether the walks read the int8 copy; made whole here where it is missing (a tree
+        saved by a run that did not keep one)."""
+        if self.cfg.walk_keys != "int8":
+            return False
+        if self.K8.shape[0] != self.pcap:
+            S = self.cfg.page_size
+            self.K8 = np.zeros((self.pcap, S, self.d), np.int8)
+            self.K8_steps = np.zeros((self.pcap, S), np.float32)
+            kernels.quantize_pages(np.arange(self.npages, dtype=np.int32), self.PX, self.count, self.K8,
+                                   self.K8_steps)
+        return True
+
+    def _requantize(self, pages: np.ndarray) -> None:
+        """The int8 copy of ``pages`` (changed ones) made again from their float keys."""
+        if self._walk_copy() and len(pages):
+            kernels.quantize_pages(pages, self.PX, self.count, self.K8, self.K8_steps)
+
+    def walk_keys(self) -> tuple[np.ndarray, np.ndarray]:
+        """(keys, steps) the shared walks score: the int8 copy and its steps, or the float
+        transformed keys and no steps."""
+        if self._walk_copy():
+            return self.K8, self.K8_steps
+        return self.PX, self.K8_steps
 
     def _level_ids(self, lvl: int) -> np.ndarray:
         """Point ids of one level (upper levels only; kept as the points arrive)."""
@@ -343,7 +385,7 @@ class DCITree:
         if self.n == 0:
             return ids, scores
         self._walk(h, lambda mark, sid, spg, ssc: (None, kernels.search_group_shared(
-            queries, k, self.beam_for(), self.PX, self.top_level, self.first_page, self.next_page,
+            queries, k, self.beam_for(), *self.walk_keys(), self.top_level, self.first_page, self.next_page,
             self.members, self.count, self.node_size, mark, sid, spg, ssc, ids, scores)))
         return ids, scores
 
@@ -366,7 +408,7 @@ class DCITree:
             raise ValueError("extra pages need the shared walk's page path")
         if self.cfg.shared_walk:
             return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
-                queries, k, max_pages, beam, self.PX, self.top_level, self.first_page,
+                queries, k, max_pages, beam, *self.walk_keys(), self.top_level, self.first_page,
                 self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
                 spg, ssc, extra, len(extra), self.owner, *self.merge_args()), beam + len(extra))
         return kernels.select_group(

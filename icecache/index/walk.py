@@ -70,8 +70,9 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
     ok = np.zeros(H, np.bool_)
     scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h] + n_extra[h]), g), slot=h)
                for h, t in enumerate(trees)]
+    keys = [t.walk_keys() for t in trees]
     kernels.select_heads_shared(
-        queries, k, max_pages, beams, tuple(t.PX for t in trees),
+        queries, k, max_pages, beams, tuple(w[0] for w in keys), tuple(w[1] for w in keys),
         np.array([t.top_level for t in trees], np.int64), tuple(t.first_page for t in trees),
         tuple(t.next_page for t in trees), tuple(t.members for t in trees),
         tuple(t.count for t in trees), tuple(t.node_size for t in trees),

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ...index import DCITree, IndexConfig
-from ...index.config import MERGES
+from ...index.config import MERGES, WALK_KEYS
 from ...index.walk import select_layer
 from ..kernels import pick_rows
 from .base import HeadIndexes, register
@@ -41,6 +41,9 @@ class DCISettings:
     index_merge: str = "ranks"
     # Lloyd passes over the bottom level's grouping after a build and every 256 keys (0: none)
     index_refine: int = 0
+    # the keys a decode step's walk scores: "int8" (a rounded copy beside the float keys, a
+    # quarter of their bytes) or "float32" (IndexConfig.walk_keys)
+    index_walk_keys: str = "int8"
     # a decode step also ranks the previous search's best carry_pages pages (0: off): a narrow
     # beam keeps what an earlier, wider search found while the queries still want it
     carry_pages: int = 32
@@ -59,6 +62,8 @@ class DCISettings:
             raise ValueError("index_pages must be 'projection' or 'similar'")
         if self.index_merge not in MERGES:
             raise ValueError(f"index_merge must be one of {', '.join(MERGES)}")
+        if self.index_walk_keys not in WALK_KEYS:
+            raise ValueError(f"index_walk_keys must be one of {', '.join(WALK_KEYS)}")
         if not 0 <= self.index_refine <= 10:
             raise ValueError("index_refine must be a whole number from 0 to 10")
         if not 0 <= self.carry_pages <= 1024:
@@ -76,7 +81,7 @@ def tree_config(settings: DCISettings, page_size: int, chunk_tokens: int) -> Ind
     return IndexConfig(page_size=page_size, ratio_bottom=1 / (2 * page_size), beam=settings.index_beam,
                        beam_frac=settings.index_beam_frac, pages=settings.index_pages,
                        merge=settings.index_merge, refine=settings.index_refine,
-                       refine_min=max(1, min(256, chunk_tokens)))
+                       refine_min=max(1, min(256, chunk_tokens)), walk_keys=settings.index_walk_keys)
 
 
 @register("dci")

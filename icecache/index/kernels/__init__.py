@@ -15,6 +15,9 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
   node's next page in projection order; ``owner`` (pcap,) node id; ``lo``/``hi`` (pcap,) float32
   projection range of the members; ``dirty`` (pcap,) bool.
 - ``tok_page``/``tok_slot``: (cap,) int32, where each point sits.
+- ``K8`` (pcap, S, head_dim) int8 and ``K8_steps`` (pcap, S) float32: with ``walk_keys: int8``
+  the keys rounded for the shared walks (:func:`~.shared.quantize_pages`), made again for every
+  page an insert or a refinement marks dirty; no rows otherwise.
 """
 
 from .build import attach_sorted, insert_child, nearest_among, parents_by_tree
@@ -24,11 +27,12 @@ from .shared import (
            MERGES,
            best_pages,
            peak_pages,
+           quantize_pages,
            search_group_shared,
            select_group_shared,
            select_heads_shared,
 )
 
 __all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "merge_ranked", "nearest_among",
-           "parents_by_tree", "peak_pages", "query_tree", "ranked_pages", "search_group_shared", "search_many",
+           "parents_by_tree", "peak_pages", "quantize_pages", "query_tree", "ranked_pages", "search_group_shared", "search_many",
            "select_group", "select_group_shared", "select_heads_shared", "topk_indices"]

@@ -9,15 +9,17 @@ References: :func:`search_group_shared` with a beam over every node is
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange
+from numba import njit, prange, types
+from numba.extending import overload
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+from ...prefetch import prefetch_row
 from .pages import group_pages, merge_ranked
 from .query import topk_indices
 
 
-@njit(nogil=True, cache=True, fastmath=True, inline="always")
-def _scan_page(pg, V, PX, members, count, out_ids, out_pages, out_scores, m):
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_page_float(pg, V, PX, members, count, out_ids, out_pages, out_scores, m):
     """Page ``pg``'s members scored against every row of ``V`` (g, d), appended from row ``m``;
     returns the new row count. The last column of the transformed keys is not read: the
     queries' is zero."""
@@ -35,18 +37,106 @@ def _scan_page(pg, V, PX, members, count, out_ids, out_pages, out_scores, m):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _scan_node_shared(node, V, PX, first_page, next_page, members, count, out_ids, out_pages,
+def _scan_page_int8(pg, V, K8, steps, members, count, out_ids, out_pages, out_scores, m):
+    """:func:`_scan_page_float` over the page's int8 keys (``K8`` (pages, S, d), ``steps``
+    (pages, S): key = step x K8 row, :func:`quantize_pages`). Each key element is widened once
+    and multiplied into up to four queries' sums (three where three are left: a GQA group of
+    three, the embedded model's, takes no fourth sum)."""
+    g, D = V.shape
+    n = count[pg]
+    g0 = 0
+    while g0 < g:
+        if g - g0 == 3:
+            for s in range(n):
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                for d in range(D):
+                    x = np.float32(K8[pg, s, d])
+                    a0 += x * V[g0, d]
+                    a1 += x * V[g0 + 1, d]
+                    a2 += x * V[g0 + 2, d]
+                c = steps[pg, s]
+                out_scores[m + s, g0] = a0 * c
+                out_scores[m + s, g0 + 1] = a1 * c
+                out_scores[m + s, g0 + 2] = a2 * c
+            g0 += 3
+        else:  # four queries (the last ones repeated where fewer are left; their copies dropped)
+            g1, g2, g3 = min(g0 + 1, g - 1), min(g0 + 2, g - 1), min(g0 + 3, g - 1)
+            for s in range(n):
+                a0 = np.float32(0.0)
+                a1 = np.float32(0.0)
+                a2 = np.float32(0.0)
+                a3 = np.float32(0.0)
+                for d in range(D):
+                    x = np.float32(K8[pg, s, d])
+                    a0 += x * V[g0, d]
+                    a1 += x * V[g1, d]
+                    a2 += x * V[g2, d]
+                    a3 += x * V[g3, d]
+                c = steps[pg, s]
+                out_scores[m + s, g3] = a3 * c
+                out_scores[m + s, g2] = a2 * c
+                out_scores[m + s, g1] = a1 * c
+                out_scores[m + s, g0] = a0 * c
+            g0 += 4
+    for s in range(n):
+        out_ids[m + s] = members[pg, s]
+        out_pages[m + s] = pg
+    return m + n
+
+
+def _scan_page(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+    """Page ``pg``'s members scored against every row of ``V`` (g, d) (unit queries), appended
+    to the scanned rows from row ``m``; returns the new row count. ``keys``: the tree's float32
+    transformed keys (``steps`` unused) or their int8 copy with its steps (``walk_keys``)."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(_scan_page, inline="always")
+def _scan_page_of(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+    if isinstance(keys, types.Array) and keys.dtype == types.int8:
+        return lambda pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m: _scan_page_int8(
+            pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m)
+    return lambda pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m: _scan_page_float(
+        pg, V, keys, members, count, out_ids, out_pages, out_scores, m)
+
+
+@njit(nogil=True, cache=True)
+def quantize_pages(pages, PX, count, K8, steps):
+    """The int8 copy of ``pages``' keys (``walk_keys: int8``): each member's first ``d``
+    coordinates (the key; not the transform's last one, which the queries do not read) as
+    ``round(k / step)`` with ``step = max |k| / 127`` (1 for a zero key), into ``K8[pg, s]`` and
+    ``steps[pg, s]``. A score from the copy is within ``step / 2 * sum |q|`` of the float one."""
+    d = K8.shape[2]
+    for i in range(pages.shape[0]):
+        pg = pages[i]
+        for s in range(count[pg]):
+            top = np.float32(0.0)
+            for j in range(d):
+                top = max(top, abs(PX[pg, s, j]))
+            step = top / np.float32(127.0) if top > 0 else np.float32(1.0)
+            for j in range(d):
+                K8[pg, s, j] = np.int8(min(127.0, max(-127.0, np.rint(PX[pg, s, j] / step))))
+            steps[pg, s] = step
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_node_shared(node, V, keys, steps, first_page, next_page, members, count, out_ids, out_pages,
                       out_scores, m):
     """All children of ``node`` scored against every row of ``V`` (g, d): one read per page."""
     pg = first_page[node]
     while pg >= 0:
-        m = _scan_page(pg, V, PX, members, count, out_ids, out_pages, out_scores, m)
+        m = _scan_page(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m)
         pg = next_page[pg]
     return m
 
 
+PAGES_AHEAD = 2  # a walk asks for a page's keys this many pages before it scores them
+
+
 @njit(nogil=True, cache=True)
-def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count, node_size,
+def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count, node_size,
                  mark, scratch_ids, scratch_pages, scratch_scores):
     """The group's shared walk down the tree; returns (rows scored, query norms), or -1 rows
     when the scratch arrays are too short (the caller grows them and walks again).
@@ -72,14 +162,35 @@ def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, c
     frontier = np.zeros(1, np.int64)
     kept = 0
     lvl = top_level
+    rows = scratch_ids.shape[0]
+    pages = np.empty(rows, np.int64)
+    page_bytes = keys.shape[1] * keys.shape[2] * keys.itemsize
     while lvl >= 0:
         m = kept
-        rows = scratch_ids.shape[0]
+        need = m
         for f in range(frontier.shape[0]):
-            if m + node_size[frontier[f]] > rows:
-                return -1, norms
-            m = _scan_node_shared(frontier[f], V, PX, first_page, next_page, members, count,
-                                  scratch_ids, scratch_pages, scratch_scores, m)
+            need += node_size[frontier[f]]
+        if need > rows:
+            return -1, norms
+        # the level's pages first (their links are read back to back), then their keys, each
+        # page's asked for a few pages ahead of its scan
+        n_pages = 0
+        for f in range(frontier.shape[0]):
+            pg = first_page[frontier[f]]
+            while pg >= 0:
+                if n_pages == rows:
+                    return -1, norms
+                pages[n_pages] = pg
+                n_pages += 1
+                pg = next_page[pg]
+        for i in range(n_pages):
+            if i + PAGES_AHEAD < n_pages:
+                ahead = pages[i + PAGES_AHEAD]
+                prefetch_row(keys, ahead, page_bytes)
+                prefetch_row(members, ahead, 1)
+                if steps.shape[0]:
+                    prefetch_row(steps, ahead, 1)
+            m = _scan_page(pages[i], V, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
         if lvl > 0 and m > kept:
             nxt = np.empty(g * min(beam, m - kept), np.int64)
             nn = 0
@@ -98,7 +209,7 @@ def _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, c
 
 
 @njit(nogil=True, cache=True)
-def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, members, count,
+def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page, members, count,
                         node_size, mark, scratch_ids, scratch_pages, scratch_scores, out_ids,
                         out_scores):
     """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
@@ -109,7 +220,7 @@ def search_group_shared(queries, k, beam, PX, top_level, first_page, next_page, 
     (rows, g). Returns False when the scratch was too short (nothing written).
     """
     g = queries.shape[0]
-    kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members,
+    kept, norms = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
                                count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return False
@@ -296,7 +407,7 @@ MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: th
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count, scratch_ids,
+def _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members, count, scratch_ids,
                 scratch_pages, scratch_scores, kept):
     """Append to the walk's scanned rows (``kept`` of them) the bottom-level pages
     ``extra[:n_extra]`` that the walk did not scan: each page one more run. A bottom page was
@@ -322,12 +433,12 @@ def _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count, s
             continue
         if m + count[pg] > rows:
             return -1
-        m = _scan_page(pg, V, PX, members, count, scratch_ids, scratch_pages, scratch_scores, m)
+        m = _scan_page(pg, V, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
     return m
 
 
 @njit(nogil=True, cache=True)
-def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, next_page,
+def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, first_page, next_page,
                         members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
                         scratch_scores, extra, n_extra, owner, merge=0, scale=1.0):
     """``select_group`` with the shared walk of ``search_group_shared``.
@@ -343,15 +454,15 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
     (pages, False) when the scratch was too short.
     """
     g = queries.shape[0]
-    if k < max_pages * PX.shape[1]:
+    if k < max_pages * keys.shape[1]:
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
-        if not search_group_shared(queries, k, beam, PX, top_level, first_page, next_page,
+        if not search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page,
                                    members, count, node_size, mark, scratch_ids, scratch_pages,
                                    scratch_scores, ids, scores):
             return np.empty(0, np.int32), False
         return group_pages(ids, tok_page, max_pages), True
-    kept, norms = _walk_shared(queries, beam, PX, top_level, first_page, next_page, members, count,
+    kept, norms = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count,
                                node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return np.empty(0, np.int32), False
@@ -360,7 +471,7 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
         for r in range(g):
             for j in range(queries.shape[1]):
                 V[r, j] = queries[r, j] / norms[r]
-        kept = _scan_extra(extra, n_extra, V, PX, owner, top_level, mark, members, count,
+        kept = _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members, count,
                            scratch_ids, scratch_pages, scratch_scores, kept)
         if kept < 0:
             return np.empty(0, np.int32), False
@@ -373,7 +484,7 @@ def select_group_shared(queries, k, max_pages, beam, PX, top_level, first_page, 
 
 
 @njit(parallel=True, cache=True)
-def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pages, next_pages,
+def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_levels, first_pages, next_pages,
                         members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
                         lens, ok, extras, n_extras, owners, merge=0, scale=1.0):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
@@ -384,7 +495,7 @@ def select_heads_shared(queries, k, max_pages, beams, PXs, top_levels, first_pag
     H = queries.shape[0]
     for h in prange(H):
         pages, good = select_group_shared(
-            queries[h], k, max_pages, beams[h], PXs[h], top_levels[h], first_pages[h], next_pages[h],
+            queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h], next_pages[h],
             members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
             sscs[h], extras[h], n_extras[h], owners[h], merge, scale)
         ok[h] = good
