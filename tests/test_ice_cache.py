@@ -307,6 +307,13 @@ def test_paged_decode_kernel_matches_the_reference(G, cap):
     paged_decode_fused(q.numpy(), k.numpy(), v.numpy(), valid.numpy(), np.float32(0.125), np.float32(cap), out.numpy())
     torch.testing.assert_close(out, want, atol=2e-5, rtol=1e-4)
     torch.testing.assert_close(out[1], v[1, L - 1].expand(G, 64))
+    # rows the mask leaves out are never read into the sums (an empty slot may hold anything)
+    k_nan, v_nan = k.clone(), v.clone()
+    k_nan[~valid], v_nan[~valid] = float("nan"), float("nan")
+    again = torch.empty(3, G, 64)
+    paged_decode_fused(q.numpy(), k_nan.numpy(), v_nan.numpy(), valid.numpy(), np.float32(0.125), np.float32(cap),
+                       again.numpy())
+    torch.testing.assert_close(again, out)
     torch.testing.assert_close(paged_decode_sdpa(q, k, v, valid, 0.125, cap or None), out)
     if not cap:
         sdpa = torch.nn.functional.scaled_dot_product_attention(

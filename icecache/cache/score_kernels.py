@@ -352,14 +352,30 @@ def decode_block(q, k, v, n, scale, cap, far_q, k0, c, h, b, per, scores, top, t
 @njit(nogil=True, fastmath=True, cache=True)
 def _sum_values(v, shift, h, b, lo, hi, scores, part, valid):
     """part[h, b, g] += the weights ``scores[h, g, t]`` times the values ``v[h, t + shift]`` of
-    rows lo..hi-1 (those ``valid`` keeps: :func:`kept`)."""
+    rows lo..hi-1 (those ``valid`` keeps: :func:`kept`). Four rows at a time where all four
+    count: their weighted values are summed before they reach ``part``, a quarter of the
+    loads and stores of ``part`` a row takes one at a time (at 1k rows of 3 heads of 3 queries,
+    in cache: 50 against 74 us in float32, 56 against 72 in 16 bits)."""
     G, d = part.shape[2], part.shape[3]
-    for t in range(lo, hi):
-        if kept(valid, h, t):
+    t = lo
+    while t < hi:
+        if t + 4 <= hi and kept(valid, h, t) and kept(valid, h, t + 1) and kept(valid, h, t + 2) \
+                and kept(valid, h, t + 3):
+            a = t + shift
+            for g in range(G):
+                p0, p1 = scores[h, g, t], scores[h, g, t + 1]
+                p2, p3 = scores[h, g, t + 2], scores[h, g, t + 3]
+                for j in range(d):
+                    part[h, b, g, j] += (p0 * widen(v[h, a, j]) + p1 * widen(v[h, a + 1, j])) + (
+                        p2 * widen(v[h, a + 2, j]) + p3 * widen(v[h, a + 3, j]))
+            t += 4
+            continue
+        if kept(valid, h, t):  # a row alone (the last rows, or a masked row among four)
             for g in range(G):
                 p = scores[h, g, t]
                 for j in range(d):
                     part[h, b, g, j] += p * widen(v[h, t + shift, j])
+        t += 1
 
 
 @njit(fastmath=True, cache=True)
