@@ -26,6 +26,9 @@ ENV_AVAILABLE = "ICECACHE_MEM_AVAILABLE_GIB"
 # One DCI-tree's bytes per key and KV head (transformed key, page-major, with the splits' partly
 # filled pages): 0.45-0.5 KB measured (docs/ice.md); Quest's key bounds are far smaller.
 INDEX_BYTES_PER_KEY = 480
+# The walks' int8 copy of the keys (``index_walk_keys: int8``): a key's int8 row and its step in
+# partly filled pages, 106 B measured at head_dim 64 (docs/results.md, "The walk's int8 keys").
+INDEX_INT8_BYTES_PER_KEY = 106
 QUEST_BYTES_PER_KEY = 2 * 4 * 64 // 16  # min and max per channel per page of 16, float32
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 2**30

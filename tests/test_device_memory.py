@@ -54,3 +54,17 @@ def test_which_methods_fit_an_8b_model_in_24_gib(card):
     assert fits[("ice", 131072)] and fits[("offloaded", 131072)]
     off = need_bytes("offloaded", LLAMA8B, PROFILE, 131072)
     assert off.device < 2 * GIB and off.host == 16 * GIB  # 32 layers x 8 heads x 128 x 2 x 2 bytes a token
+
+
+def test_the_index_estimate_counts_the_walks_int8_copy():
+    """``index_walk_keys: int8`` keeps each key's int8 row beside its float one: the host estimate
+    counts it per sparse layer, KV head and token; ``float32`` does not."""
+    from icecache.memory import INDEX_INT8_BYTES_PER_KEY
+
+    cpu = load_profile("cpu")
+    tokens = 65536
+    with_copy = need_bytes("ice", LLAMA8B, cpu.replace(index_walk_keys="int8"), tokens)
+    without = need_bytes("ice", LLAMA8B, cpu.replace(index_walk_keys="float32"), tokens)
+    sparse = LLAMA8B.num_hidden_layers - cpu.dense_layers
+    assert with_copy.host - without.host == sparse * 8 * INDEX_INT8_BYTES_PER_KEY * tokens
+    assert with_copy.device == without.device

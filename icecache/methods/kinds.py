@@ -161,7 +161,7 @@ class PagedKind(CacheKind):
                         windows=windows)
 
     def memory(self, method, sizes, settings):
-        from ..memory import DTYPE_BYTES, INDEX_BYTES_PER_KEY, QUEST_BYTES_PER_KEY
+        from ..memory import DTYPE_BYTES, INDEX_BYTES_PER_KEY, INDEX_INT8_BYTES_PER_KEY, QUEST_BYTES_PER_KEY
         from .planner import host_dtype
 
         sparse = sizes.global_layers - sizes.dense_global
@@ -173,6 +173,8 @@ class PagedKind(CacheKind):
         host_item = DTYPE_BYTES[host_dtype(settings) or settings.dtype]
         host = sparse * 2 * sizes.heads * sizes.head_dim * host_item * sizes.tokens
         per_key = {"dci": INDEX_BYTES_PER_KEY, "quest": QUEST_BYTES_PER_KEY}.get(method.selector or "", 0)
+        if method.selector == "dci" and settings.tuned("index_walk_keys") == "int8":
+            per_key += INDEX_INT8_BYTES_PER_KEY
         host += sparse * sizes.heads * per_key * sizes.tokens
         return device, host
 
