@@ -695,16 +695,18 @@ def test_int8_walk_keys_follow_every_insert_and_refinement(pages):
     assert f.K8.shape[0] == 0 and f.walk_keys()[0] is f.PX
 
 
-def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys():
+@pytest.mark.parametrize("group", [1, 3, 4, 6, 7])
+def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys(group):
     """A full-beam walk over the int8 copy ranks points and pages exactly as exact search over the
     rounded keys does (step x int8 row); its scores are within the rounding's bound of the float
-    ones, and differ from them (so the walk did read the copy)."""
+    ones, and differ from them (so the walk did read the copy). Groups of queries that the scan
+    takes three at a time, four at a time, and four with repeats (1, 6: two left over)."""
     keys = clustered(2000, seed=5)
     t = DCITree(16, IndexConfig(page_size=8, beam=10_000, ratio_bottom=0.05, walk_keys="int8"))
     t.insert(keys)
     at = t.tok_page[: t.n], t.tok_slot[: t.n]
     rounded = t.K8[at].astype(np.float32) * t.K8_steps[at][:, None]
-    queries = clustered(3, seed=9)
+    queries = clustered(group, seed=9)
     ids, scores = t.search_group(queries, 32)
     differ = False
     for r, q in enumerate(queries):
