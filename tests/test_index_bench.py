@@ -127,8 +127,9 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     cpu = resolve_settings("cpu")
     frac = cpu.tuned("index_beam_frac")
     assert [(d["config"]["beam"], d["config"]["beam_frac"]) for d in docs] == [(8, frac), (16, frac)]
-    assert all((d["config"]["pages"], d["config"]["merge"], d["config"]["refine"])
-               == (cpu.tuned("index_pages"), cpu.tuned("index_merge"), cpu.tuned("index_refine")) for d in docs)
+    assert all((d["config"]["pages"], d["config"]["merge"], d["config"]["refine"], d["config"]["walk_keys"])
+               == (cpu.tuned("index_pages"), cpu.tuned("index_merge"), cpu.tuned("index_refine"),
+                   cpu.tuned("index_walk_keys")) for d in docs)
     assert all(d["keys"] == 512 and 0 < d["recall_at_64"] <= 1 for d in docs)
     r = run_cli([*args, "--beam-frac", "0.5"])
     assert r.returncode == 0, r.stderr.decode()
@@ -136,3 +137,12 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     assert doc["config"]["beam"] == resolve_settings("cpu").tuned("index_beam") and doc["config"]["beam_frac"] == 0.5
     bad = run_cli([*args, "--beam", "0"])
     assert bad.returncode == 2 and "--beam: each value must be 1 or more" in bad.stderr.decode()
+
+
+def test_index_command_refuses_unknown_walk_keys():
+    """`bench index --walk-keys`: float32, int8 or both; anything else is a usage error (exit 2)
+    before any model loads."""
+    from .conftest import run_cli
+
+    bad = run_cli(["bench", "index", "--keys", "512", "--walk-keys", "float32,int4"])
+    assert bad.returncode == 2 and "--walk-keys: 'int4' is not one of float32, int8" in bad.stderr.decode()
