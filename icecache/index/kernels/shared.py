@@ -121,17 +121,6 @@ def quantize_pages(pages, PX, count, K8, steps):
             steps[pg, s] = step
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _scan_node_shared(node, V, keys, steps, first_page, next_page, members, count, out_ids, out_pages,
-                      out_scores, m):
-    """All children of ``node`` scored against every row of ``V`` (g, d): one read per page."""
-    pg = first_page[node]
-    while pg >= 0:
-        m = _scan_page(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m)
-        pg = next_page[pg]
-    return m
-
-
 PAGES_AHEAD = 2  # a walk asks for a page's keys this many pages before it scores them
 
 
