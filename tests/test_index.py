@@ -208,8 +208,16 @@ def test_nearest_among_kernel_matches_reference():
     rows = rng.standard_normal((40, 9)).astype(np.float32)
     C = rng.standard_normal((25, 9)).astype(np.float32)
     cand = rng.permutation(100)[:25].astype(np.int32)
+    # the candidates' keys where pages hold them: 7 pages of 4 slots, scattered
+    PX = rng.standard_normal((7, 4, 9)).astype(np.float32)
+    tok_page = np.full(100, -1, np.int32)
+    tok_slot = np.full(100, -1, np.int32)
+    for i, (c, at) in enumerate(zip(cand, rng.permutation(28)[:25], strict=True)):
+        pg, s = divmod(int(at), 4)
+        tok_page[c], tok_slot[c] = pg, s
+        PX[pg, s] = C[i]
     out = np.empty(40, np.int32)
-    kernels.nearest_among(rows, C, cand, out)
+    kernels.nearest_among(rows, PX, tok_page, tok_slot, cand, out)
     np.testing.assert_array_equal(out, nearest_inner(rows, C, cand))
 
 

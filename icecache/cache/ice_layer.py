@@ -110,7 +110,8 @@ class IceLayer(DecodeStep, CacheLayerMixin):
             self.shed_window(keep_room=True)
         self.resident.append(key_states[0], value_states[0])
         self.length += n
-        return self.resident.window()  # (not read by the ice attention)
+        # the ice attention reads the resident rows itself, not what update returns
+        return key_states, value_states
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
         return self.length + query_length, 0

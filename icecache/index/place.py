@@ -77,10 +77,10 @@ def nearest_parents(tree, ids: np.ndarray, lvl: int, rows: np.ndarray) -> np.nda
     batch = not few and len(cand) * len(ids) <= EXACT_PARENT_PAIRS
     if len(cand) <= limit or up == tree.top_level or batch:
         out = np.empty(len(ids), np.int32)
-        C = tree.rows(cand)
         if few:
-            kernels.nearest_among(rows, C, cand, out)
+            kernels.nearest_among(rows, tree.PX, tree.tok_page, tree.tok_slot, cand, out)
             return out + 1
+        C = tree.rows(cand)
         step = max(256, (1 << 24) // max(1, len(cand)))  # a product of at most 64 MB at a time
         for lo in range(0, len(ids), step):
             block = rows[lo : lo + step]
@@ -114,7 +114,6 @@ def attach(tree, ids: np.ndarray, parents: np.ndarray, rows: np.ndarray, cheap: 
             ids[order].astype(np.int32), np.ascontiguousarray(rows[order]),
             parents[order].astype(np.int32), *tree._page_state(), tree.npages, tree._similar and not cheap)
         return
-    npages, state = tree.npages, tree._page_state()
-    for t, (i, p) in enumerate(zip(ids.tolist(), parents.tolist(), strict=True)):
-        npages = kernels.insert_child(i, rows[t], p, *state, npages, tree._similar)
-    tree.npages = npages
+    tree.npages = kernels.insert_children(np.ascontiguousarray(ids, np.int32), np.ascontiguousarray(rows, np.float32),
+                                          np.ascontiguousarray(parents, np.int32), *tree._page_state(), tree.npages,
+                                          tree._similar)

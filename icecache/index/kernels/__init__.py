@@ -20,7 +20,7 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
   page an insert or a refinement marks dirty; no rows otherwise.
 """
 
-from .build import attach_sorted, insert_child, nearest_among, parents_by_tree
+from .build import attach_sorted, insert_child, insert_children, nearest_among, parents_by_tree
 from .pages import group_pages, merge_ranked, ranked_pages
 from .query import query_tree, search_many, select_group, topk_indices
 from .shared import (
@@ -33,6 +33,6 @@ from .shared import (
            select_heads_shared,
 )
 
-__all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "merge_ranked", "nearest_among",
+__all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "insert_children", "merge_ranked", "nearest_among",
            "parents_by_tree", "peak_pages", "quantize_pages", "query_tree", "ranked_pages", "search_group_shared", "search_many",
            "select_group", "select_group_shared", "select_heads_shared", "topk_indices"]

@@ -226,6 +226,18 @@ def cut_node(node, ids, rows, free, used, npages, similar, proj, PX, members, co
 
 
 @njit(nogil=True, cache=True)
+def insert_children(ids, rows, parents, proj, PX, members, count, next_page, owner, lo, hi, dirty,
+                    first_page, node_size, tok_page, tok_slot, npages, similar=False):
+    """:func:`insert_child` for each point ``ids[t]`` (transformed key ``rows[t]``) under
+    ``parents[t]``, in order; return the new page count. One call for a decode step's evicted
+    page: a call per point unboxed the tree's thirteen arrays sixteen times."""
+    for t in range(ids.shape[0]):
+        npages = insert_child(ids[t], rows[t], parents[t], proj, PX, members, count, next_page, owner, lo, hi,
+                              dirty, first_page, node_size, tok_page, tok_slot, npages, similar)
+    return npages
+
+
+@njit(nogil=True, cache=True)
 def run_end(parents, a):
     """The end of the run of equal ``parents`` that starts at ``a`` (children sorted by parent)."""
     b = a
@@ -266,25 +278,28 @@ def attach_sorted(ids, rows, parents, proj, PX, members, count, next_page, owner
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def nearest_among(rows, C, cand, out):
-    """For each row ``rows[j]``, the ``cand`` point (transformed keys ``C``) of largest inner
-    product (exact), in ``out``.
+def nearest_among(rows, PX, tok_page, tok_slot, cand, out):
+    """For each row ``rows[j]``, the ``cand`` point of largest inner product (exact; the first
+    such in ``cand``'s order), in ``out``; a point's transformed key is read where its page
+    holds it (``PX[tok_page[i], tok_slot[i]]``), with no copy of the candidates' keys.
 
     Used for the parents of a few new points (single inserts), where a BLAS call costs more in
     overhead and thread wake-up than the arithmetic.
     """
     D = rows.shape[1]
-    for j in range(rows.shape[0]):
-        best = -np.inf
-        arg = -1
-        for c in range(cand.shape[0]):
+    n = rows.shape[0]
+    best = np.full(n, -np.inf, np.float32)
+    for j in range(n):
+        out[j] = -1
+    for c in range(cand.shape[0]):  # each candidate's key read once, against every row
+        pg, s = tok_page[cand[c]], tok_slot[cand[c]]
+        for j in range(n):
             acc = np.float32(0.0)
             for d in range(D):
-                acc += rows[j, d] * C[c, d]
-            if acc > best:
-                best = acc
-                arg = cand[c]
-        out[j] = arg
+                acc += rows[j, d] * PX[pg, s, d]
+            if acc > best[j]:
+                best[j] = acc
+                out[j] = cand[c]
 
 
 @njit(nogil=True, cache=True)
