@@ -208,17 +208,38 @@ class ResidentKV:
             want[h, : len(w)] = w
         tables = [page_table(h) for h in range(H)]
         pm, pc, pv = pinned[1]
-        bits = np.uint32 if store.keys.dtype == torch.float32 else np.uint16
-        host_k, host_v = (x.numpy().view(bits) if bits is np.uint32 else x.view(torch.int16).numpy().view(bits)
-                          for x in (store.keys, store.values))
+        host_k, host_v, keys, values = self._bit_views(store)
         src, dst = self._scratch(self.pool_pages * S)
         m, loaded = load_pool(
             want, lens, self.slot_page, self.slot_version, self.slot_fill, tuple(t[2] for t in tables),
             tuple(t[0] for t in tables), tuple(t[1] for t in tables), pinned[0], pm, pc, pv,
             pinned[2].astype(np.int64, copy=False), main, S, self.pool_at, self.valid, self.pool_row,
-            self.track_rows, host_k, host_v, table, self.keys.numpy().view(np.uint32),
-            self.values.numpy().view(np.uint32), src, dst)
+            self.track_rows, host_k, host_v, table, keys, values, src, dst)
         return loaded, 2 * m * self.head_dim * store.keys.element_size()
+
+    _views: tuple | None = None  # :meth:`_bit_views`' arrays and the store tensors they view
+
+    def __getstate__(self):
+        """A copy (a forked cache) leaves out :meth:`_bit_views`' arrays: they view this pool's
+        buffers, not the copy's (remade at its first load)."""
+        state = self.__dict__.copy()
+        state.pop("_views", None)
+        return state
+
+    def _bit_views(self, store: HostStore) -> tuple[np.ndarray, ...]:
+        """The host store's keys and values as :func:`~.kernels.load_pool` reads them (their
+        bits: uint32 for float32, uint16 for 16-bit floats) and the pool's as uint32, kept until
+        the store's tensors change (it grows by new ones): made each step, the views cost some
+        ten torch and NumPy calls a layer."""
+        got = self._views
+        if got is not None and got[0] is store.keys and got[1] is store.values:
+            return got[2:]
+        bits = np.uint32 if store.keys.dtype == torch.float32 else np.uint16
+        host = [x.numpy().view(bits) if bits is np.uint32 else x.view(torch.int16).numpy().view(bits)
+                for x in (store.keys, store.values)]
+        self._views = (store.keys, store.values, *host, self.keys.numpy().view(np.uint32),
+                       self.values.numpy().view(np.uint32))
+        return self._views[2:]
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
         """Two int64 arrays of at least ``n`` rows, kept for the next step."""
