@@ -310,8 +310,13 @@ def test_placed_keys_decode_equals_the_region_reference(rope, keep):
     """The decode step's fast path (place_keys: one rotation of the sink and pool rows, then
     the fused attention with the query at its true position) equals the reference that rotates
     the query per region (remap_decode), with token-order offsets per head."""
-    from icecache.cache.paged import paged_decode_placed, paged_decode_reference, paged_decode_sdpa
-    from icecache.cache.positions import ordered_offsets, place_keys
+    from icecache.cache.paged import (
+        paged_decode_placed,
+        paged_decode_placed_rows,
+        paged_decode_reference,
+        paged_decode_sdpa,
+    )
+    from icecache.cache.positions import ordered_offsets, place_keys, place_tables
 
     model = llama(ROPES[rope])
     frame = RopeFrame.from_model(model)
@@ -346,6 +351,11 @@ def test_placed_keys_decode_equals_the_region_reference(rope, keep):
     capped = paged_decode_reference(q, placed, v, valid, 0.125, 2.0)
     assert not torch.allclose(capped, got, atol=1e-3)
     torch.testing.assert_close(paged_decode_placed(q, k, v, valid, 0.125, 2.0, *where), capped, atol=1e-5, rtol=1e-4)
+    # the same kernel over a pool's own NumPy arrays (an ice layer's CPU step), placement as tables
+    tables = place_tables(*where)
+    for cap, want in ((None, got), (2.0, capped)):
+        rows = paged_decode_placed_rows(q, k.numpy(), v.numpy(), valid.numpy(), 0.125, cap, tables)
+        torch.testing.assert_close(rows, want, atol=1e-5, rtol=1e-4)
 
 
 def test_ordered_offsets_pack_rows_one_apart():

@@ -29,12 +29,13 @@ from .paged import (
     paged_chunk_flash,
     paged_chunk_sdpa,
     paged_decode_placed,
+    paged_decode_placed_rows,
     paged_decode_rest,
     paged_decode_sdpa,
     paged_decode_weighted,
 )
 from .placement import placed, placing
-from .positions import place_keys
+from .positions import place_keys, place_tables
 from .rest import RestPages, step_rest
 
 
@@ -82,7 +83,6 @@ class DecodeStep:
                                scale, merge, softcap)
         self.load()
         t0 = time.perf_counter()
-        k, v, valid = r.tensors()
         place = None
         if self.remap is not None:
             # the pages end just beyond the window, the sink just before them: the keys are placed
@@ -91,6 +91,12 @@ class DecodeStep:
             pages_at = self.length - 1 - page_distance
             offset, count = placing(r, self.remap, self.passages, self.length, pages_at)
             place = (self.remap.frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+        rows = r.cpu_rows() if place is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
+        if rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
+            out = paged_decode_placed_rows(q, *rows, r.valid, scale, softcap, place_tables(*place))
+            self.stats.attention_s += time.perf_counter() - t0
+            return out.reshape(1, 1, Hq, d)
+        k, v, valid = r.tensors()
         rest = self.rest_rows() if self.kernel == "rest" else None  # (true positions only)
         if self.kernel == "weighted":
             if place is not None:

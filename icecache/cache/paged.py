@@ -74,6 +74,20 @@ def paged_decode_placed(q, k, v, valid, scaling, softcap, frame, sink_fill: int,
     return paged_decode_sdpa(q, k, v, valid, scaling, softcap)
 
 
+def paged_decode_placed_rows(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, valid: np.ndarray, scaling,
+                             softcap, tables: tuple) -> torch.Tensor:
+    """:func:`paged_decode_placed`'s CPU path over a pool's own float32 NumPy arrays (``keys``,
+    ``values`` (H, L, d), ``valid`` (H, L); :meth:`~.resident.ResidentKV.cpu_rows`) and its
+    placement already as :func:`~.positions.place_tables` gives it: one numba call, without a
+    decode step's dozen torch conversions a layer."""
+    from .score_kernels import paged_decode_fused
+
+    out = np.empty(q.shape, np.float32)
+    paged_decode_fused(np.ascontiguousarray(q.numpy()), keys, values, valid, np.float32(scaling),
+                       np.float32(softcap or 0.0), out, tables)
+    return torch.from_numpy(out)
+
+
 def weighted_mask(valid: torch.Tensor, bias: torch.Tensor, pool_at: int) -> torch.Tensor:
     """valid (H, L) and per query head log-weights of the pool rows ``bias`` (H, G, R), the pool
     at rows ``pool_at .. pool_at + R`` -> an additive mask (H, G, L): 0 on the other valid rows,

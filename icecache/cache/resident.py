@@ -220,10 +220,11 @@ class ResidentKV:
     _views: tuple | None = None  # :meth:`_bit_views`' arrays and the store tensors they view
 
     def __getstate__(self):
-        """A copy (a forked cache) leaves out :meth:`_bit_views`' arrays: they view this pool's
-        buffers, not the copy's (remade at its first load)."""
+        """A copy (a forked cache) leaves out :meth:`_bit_views`' and :meth:`cpu_rows`' arrays:
+        they view this pool's buffers, not the copy's (remade at their next use)."""
         state = self.__dict__.copy()
         state.pop("_views", None)
+        state.pop("_rows", None)
         return state
 
     def _bit_views(self, store: HostStore) -> tuple[np.ndarray, ...]:
@@ -247,6 +248,16 @@ class ResidentKV:
         if got is None or got[0].shape[0] < n:
             got = self._rows_scratch = (np.empty(n, np.int64), np.empty(n, np.int64))
         return got
+
+    _rows: tuple | None = None  # :meth:`cpu_rows`' views, made at the first call
+
+    def cpu_rows(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The keys and values (heads, rows, d) as float32 NumPy arrays over the same memory, or
+        None off the CPU or in another dtype (made once: the buffers never change)."""
+        if self._rows is None:
+            cpu = self.keys.device.type == "cpu" and self.keys.dtype == self.values.dtype == torch.float32
+            self._rows = (self.keys.numpy(), self.values.numpy()) if cpu else ()
+        return self._rows or None
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Keys, values (heads, rows, d) and the validity mask (heads, rows), on the device."""
