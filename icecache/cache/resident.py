@@ -85,11 +85,10 @@ class ResidentKV:
             raise ValueError(f"{m} new rows do not fit the window ({self.window_fill} of "
                              f"{self.window_cap} rows used)")
         at = self.window_at + self.window_fill
-        if (m == 1 and keys.dtype == values.dtype == self.keys.dtype == torch.float32
-                and self.keys.device.type == "cpu"):
-            # a decode step's row through NumPy (a torch slice assignment took ~20 us, two a layer)
-            self.keys.numpy()[:, at] = keys.numpy()[:, 0]
-            self.values.numpy()[:, at] = values.numpy()[:, 0]
+        rows = self.cpu_rows() if m == 1 and keys.dtype == values.dtype == torch.float32 else None
+        if rows is not None:  # a decode step's row through NumPy (a torch slice assignment took ~20 us)
+            rows[0][:, at] = keys.numpy()[:, 0]
+            rows[1][:, at] = values.numpy()[:, 0]
         else:
             self.keys[:, at : at + m] = keys
             self.values[:, at : at + m] = values
