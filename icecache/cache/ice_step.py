@@ -92,13 +92,12 @@ class DecodeStep:
             offset, count = placing(r, self.remap, self.passages, self.length, pages_at)
             place = (self.remap.frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
         rows = r.cpu_rows() if place is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
+        if rows is None:
+            k, v, valid = r.tensors()
+        rest = self.rest_rows() if self.kernel == "rest" else None  # (true positions only)
         if rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
             out = paged_decode_placed_rows(q, *rows, r.valid, scale, softcap, place_tables(*place))
-            self.stats.attention_s += time.perf_counter() - t0
-            return out.reshape(1, 1, Hq, d)
-        k, v, valid = r.tensors()
-        rest = self.rest_rows() if self.kernel == "rest" else None  # (true positions only)
-        if self.kernel == "weighted":
+        elif self.kernel == "weighted":
             if place is not None:
                 k = place_keys(place[0], k, *place[1:])
             bias = torch.from_numpy(self.selector.row_bias(r.pool_row)).to(k.device)

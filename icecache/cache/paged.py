@@ -36,13 +36,10 @@ def _on_cpu_kernel(q, k, v) -> bool:
 
 
 def _fused(q, k, v, valid, scaling, softcap, place=None) -> torch.Tensor:
-    """:func:`~.score_kernels.paged_decode_fused` on torch tensors (``place``: its placement)."""
-    from .score_kernels import paged_decode_fused
-
-    out = torch.empty(q.shape, dtype=torch.float32)
-    paged_decode_fused(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
-                       valid.numpy(), np.float32(scaling), np.float32(softcap or 0.0), out.numpy(), place)
-    return out
+    """:func:`~.score_kernels.paged_decode_fused` on torch tensors (``place``: its placement,
+    :func:`~.positions.place_tables`)."""
+    return paged_decode_placed_rows(q, k.contiguous().numpy(), v.contiguous().numpy(), valid.numpy(), scaling,
+                                    softcap, place)
 
 
 def paged_decode_sdpa(q, k, v, valid, scaling, softcap=None):
@@ -75,11 +72,11 @@ def paged_decode_placed(q, k, v, valid, scaling, softcap, frame, sink_fill: int,
 
 
 def paged_decode_placed_rows(q: torch.Tensor, keys: np.ndarray, values: np.ndarray, valid: np.ndarray, scaling,
-                             softcap, tables: tuple) -> torch.Tensor:
+                             softcap, tables: tuple | None) -> torch.Tensor:
     """:func:`paged_decode_placed`'s CPU path over a pool's own float32 NumPy arrays (``keys``,
     ``values`` (H, L, d), ``valid`` (H, L); :meth:`~.resident.ResidentKV.cpu_rows`) and its
-    placement already as :func:`~.positions.place_tables` gives it: one numba call, without a
-    decode step's dozen torch conversions a layer."""
+    placement already as :func:`~.positions.place_tables` gives it (None: no placement, the rows
+    as they are): one numba call, without a decode step's dozen torch conversions a layer."""
     from .score_kernels import paged_decode_fused
 
     out = np.empty(q.shape, np.float32)

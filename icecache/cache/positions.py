@@ -223,8 +223,7 @@ def place_tables(frame: RopeFrame, sink_fill: int, pool_at: int, window_at: int,
     """:func:`place_keys`'s placement as the CPU kernels take it (:func:`~.kernels.place_rows`,
     :func:`~.score_kernels.paged_decode_fused`): offsets (H, P) and counts (H,) int64, the
     sink fill, the pool's first row, the cos and sin tables (R, rotary) float32, rotary."""
-    off = offset if isinstance(offset, np.ndarray) else offset.numpy()
-    cnt = (count if isinstance(count, np.ndarray) else count.numpy()).astype(np.int64, copy=False)
+    off, cnt = offset.numpy(), count.numpy().astype(np.int64, copy=False)
     need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
     cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), "cpu")
     return off, cnt, sink_fill, pool_at, cos_t.numpy(), sin_t.numpy(), frame.rotary_dim

@@ -237,8 +237,7 @@ class ResidentKV:
         bits = np.uint32 if store.keys.dtype == torch.float32 else np.uint16
         host = [x.numpy().view(bits) if bits is np.uint32 else x.view(torch.int16).numpy().view(bits)
                 for x in (store.keys, store.values)]
-        self._views = (store.keys, store.values, *host, self.keys.numpy().view(np.uint32),
-                       self.values.numpy().view(np.uint32))
+        self._views = (store.keys, store.values, *host, *(x.view(np.uint32) for x in self.cpu_rows()))
         return self._views[2:]
 
     def _scratch(self, n: int) -> tuple[np.ndarray, np.ndarray]:
