@@ -114,8 +114,11 @@ class _Packer:
             return {"ref": n}
         n = self.memo[id(v)] = len(self.memo)
         self.keep.append(v)
+        # what the object's own __getstate__ keeps, as copy and pickle take it (a class leaves
+        # out caches of views onto its buffers there: saved, they would be copies, not views)
+        attrs = v.__getstate__() or {}
         return {"object": f"{cls.__module__}:{cls.__qualname__}", "id": n,
-                "attrs": {k: self.pack(x) for k, x in vars(v).items()}}
+                "attrs": {k: self.pack(x) for k, x in attrs.items()}}
 
 
 def _trailing(a: np.ndarray) -> tuple[int, Any]:
