@@ -115,8 +115,10 @@ class _Packer:
         n = self.memo[id(v)] = len(self.memo)
         self.keep.append(v)
         # what the object's own __getstate__ keeps, as copy and pickle take it (a class leaves
-        # out caches of views onto its buffers there: saved, they would be copies, not views)
-        attrs = v.__getstate__() or {}
+        # out caches of views onto its buffers there: saved, they would be copies, not views);
+        # Python 3.10's object has no __getstate__ of its own: its attributes then
+        getstate = getattr(v, "__getstate__", None)
+        attrs = (getstate() if getstate is not None else vars(v)) or {}
         return {"object": f"{cls.__module__}:{cls.__qualname__}", "id": n,
                 "attrs": {k: self.pack(x) for k, x in attrs.items()}}
 
