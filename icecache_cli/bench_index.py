@@ -26,7 +26,8 @@ def index(
     queries: Annotated[int, typer.Option("--queries", min=1, help="Decode-step queries per layer.")] = 8,
     budgets: Annotated[str, typer.Option("--budgets", help="Budgets in tokens.")] = "64,128,256",
     beam: Annotated[str | None, typer.Option("--beam", help="Nodes expanded per level in a query, or several "
-                                             "comma-separated (same keys). Default: the cpu profile's index_beam.",
+                                             "comma-separated (same keys). Default: the cpu profile's index_beam "
+                                             "(auto: the beam a decode step of the model walks with).",
                                              show_default=False)] = None,
     beam_frac: Annotated[float | None, typer.Option("--beam-frac", min=0.0, max=0.999, help="...or this share of "
                                                     "the keys if more. Default: the cpu profile's index_beam_frac.",
@@ -84,9 +85,14 @@ def index(
                 raise UsageError(f"--walk-keys: '{w}' is not one of {', '.join(WALK_KEYS)}")
         picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
                                                      "0 or from 2 to 16") if m)
-        beams = (parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None
-                 else [settings.tuned("index_beam")])
+        beams = parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None else None
         loaded = load_model(model, settings, log=rep.info)
+        if beams is None:  # the profile's, as a decode step of this model would walk
+            from icecache.cache.selectors.dci import decode_beam
+            from icecache.config import selector_settings
+            from icecache.methods.factory import walk_dims
+
+            beams = [decode_beam(selector_settings(settings, "dci"), walk_dims(loaded.model.config, settings))]
         frac = settings.tuned("index_beam_frac") if beam_frac is None else beam_frac
         configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r,
                                walk_keys=w)

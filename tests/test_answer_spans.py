@@ -141,8 +141,9 @@ def test_spans_with_room_for_everything_equal_full():
 
 
 def test_a_small_budget_keeps_the_voted_passages_resident():
-    """Budget 2 pages: after the answer start every head of every sparse layer holds the voted
-    passages' rows, each once, beside its own selection; the output differs from without."""
+    """Budget 2 pages: from the first generated token on (the prompt came whole: its last
+    queries voted) every head of every sparse layer holds the voted passages' rows, each once,
+    beside its own selection; the output differs from without."""
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(4)
     prompt = rng.integers(0, 97, 200).tolist()
@@ -150,8 +151,8 @@ def test_a_small_budget_keeps_the_voted_passages_resident():
     plain = run_steps(model, ice_cache(model, spec(budget_pages=2)), prompt, forced)
     cache = ice_cache(model, _spans(2, 2))
     got = run_steps(model, cache, prompt, forced)
-    torch.testing.assert_close(got[1], plain[1])  # the first generated token's step votes
-    assert max(float((a - b).abs().max()) for a, b in zip(plain[2:], got[2:], strict=True)) > 1e-4
+    torch.testing.assert_close(got[0], plain[0])  # the prompt's own logits: no passage yet
+    assert float((got[1] - plain[1]).abs().max()) > 1e-4  # the first generated token's step reads them
     votes = cache.ice_layers()[0].passages.votes
     want = pinned_rows(votes.votes[: 200 - 16], 2, 4, 8)  # the host rows at the vote
     assert len(want) == 24
@@ -208,9 +209,10 @@ def test_remapped_passages_sit_nearest_the_window_in_their_own_order():
 @pytest.mark.parametrize("tail", [0, 1, 12, 40])
 def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch, tail):
     """The votes are each row's largest head weight over the prompt's last steps that run one
-    token at a time (at most VOTE_STEPS of them), and the prompt's last step pins them. Without
-    earlier stepped tokens (a prompt whose end came in a chunk, or one stepped token), the first
-    step there is votes and the next pins. Prompt chunks and later tokens never vote."""
+    token at a time (at most VOTE_STEPS of them), and the prompt's last step pins them. A prompt
+    whose end came in a chunk votes with that chunk's last queries at the first generated
+    token's step, which pins; with one stepped token, that step votes and the next pins. Later
+    tokens never vote."""
     from icecache.cache.spec import VOTE_STEPS
 
     calls: list[tuple[int, np.ndarray]] = []
@@ -245,8 +247,10 @@ def test_the_prompts_last_stepped_tokens_vote_and_its_last_step_pins(monkeypatch
     voting = sorted({s for s, _ in calls})
     if tail >= 2:  # votes up to the one before the prompt's last, which pins
         want, pin = list(range(max(1, tail - VOTE_STEPS + 1), tail)), tail
-    else:  # the first step after the prompt's chunks votes, the next pins
+    elif tail == 1:  # the one stepped token votes, the next step pins
         want, pin = [1], 2
+    else:  # the chunks' last queries vote at the first generated token's step, which pins
+        want, pin = [1], 1
     assert voting == want
     assert len(calls) == len(want) * len(layers)
     assert set(pinned_at.values()) == {pin} and len(pinned_at) == len(layers)
@@ -269,3 +273,41 @@ def test_sorted_member_equals_numpy_isin(seed):
     x = rng.integers(-1, 420, size=(3, 97)).astype(np.int64)
     x[0, :len(table)] = table[::-1]  # every table row present somewhere
     assert np.array_equal(sorted_member(x, table), np.isin(x, table))
+
+
+def test_a_whole_prompt_votes_with_its_last_queries_as_steps_would():
+    """A prompt prefilled in chunks: each sparse layer's votes are, per offloaded row, the
+    largest softmax weight of any query head at any of the prompt's last VOTE_STEPS positions
+    (each position's queries scored alone, as a stepped token's are), and the passages are
+    read from the first generated token's step."""
+    from icecache.cache.ice_layer import IceLayer
+    from icecache.cache.spec import VOTE_STEPS
+
+    seen: dict[int, list] = {}
+    observe = IceLayer.observe
+
+    def recorded(self, queries, positions=None):
+        seen.setdefault(self.layer_idx, []).append((queries.detach().clone(), self.length))
+        return observe(self, queries, positions)
+
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(11)
+    prompt = rng.integers(0, 97, 230).tolist()
+    cache = ice_cache(model, _spans(2, 1))
+    import unittest.mock
+
+    with unittest.mock.patch.object(IceLayer, "observe", recorded):
+        run_steps(model, cache, prompt, rng.integers(0, 97, 2).tolist())
+    layers = cache.ice_layers()
+    want = None
+    for layer in layers:
+        assert layer.passages.pinned is not None
+        q = torch.cat([c for c, _ in seen[layer.layer_idx]], dim=1)[:, -VOTE_STEPS:]  # (Hq, 32, d)
+        assert seen[layer.layer_idx][-1][1] == len(prompt)
+        H, d = layer.heads, q.shape[-1]
+        scale = d ** -0.5
+        n = layer.passages.votes.votes.shape[0]
+        per = [spans.head_weights(q[:, i].reshape(H, -1, d), layer.store.keys, n, scale) for i in range(VOTE_STEPS)]
+        best = np.max(per, axis=0)
+        want = best if want is None else np.maximum(want, best)
+    np.testing.assert_allclose(layers[0].passages.votes.votes, want, rtol=1e-5, atol=1e-7)

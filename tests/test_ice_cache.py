@@ -591,3 +591,28 @@ def test_prefill_beam_widens_only_the_prefill_search():
             if not beam:
                 assert chunk == step  # the same narrow search
     assert narrow_missed
+
+
+def test_the_auto_beam_follows_the_key_dimensions_a_step_walks():
+    """``index_beam: 0``: 32 nodes per level at the embedded model's walk (28 sparse layers x 3 KV
+    heads x 64 dims), wider in proportion where a step walks fewer key dimensions (a model with
+    window layers counts its global ones past ``dense_layers``), never narrower; a set beam is
+    taken as it is. The paged cache built for a model carries its beam into every tree."""
+    from icecache.cache.selectors.dci import AUTO_WALK_DIMS, decode_beam
+    from icecache.config import resolve_settings
+    from icecache.methods.factory import walk_dims
+
+    auto = DCISettings()
+    assert auto.index_beam == 0
+    assert decode_beam(auto, AUTO_WALK_DIMS) == decode_beam(auto, 0) == 32
+    assert decode_beam(auto, 4 * AUTO_WALK_DIMS) == 32
+    assert decode_beam(auto, AUTO_WALK_DIMS // 7) == 224
+    assert decode_beam(DCISettings(index_beam=48), 8) == 48
+    s = resolve_settings("cpu", dense_layers=1, dense_until=0)
+    gemma = tiny_model("gemma3")  # one global layer of four, past dense_layers: 1 x 1 x 32
+    llama = tiny_model("llama", 2)  # three sparse layers x 2 x 16
+    assert walk_dims(gemma.config, s) == 32 and walk_dims(llama.config, s) == 96
+    cache = make_cache("ice", gemma, s, tokens=400)
+    assert cache.ice_layers()[0].selector.tree.beam == 32 * AUTO_WALK_DIMS // 32
+    cache = make_cache("ice", llama, s.replace(index_beam=5), tokens=400)
+    assert {layer.selector.tree.beam for layer in cache.ice_layers()} == {5}

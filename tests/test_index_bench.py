@@ -134,7 +134,9 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     r = run_cli([*args, "--beam-frac", "0.5"])
     assert r.returncode == 0, r.stderr.decode()
     (doc,) = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]
-    assert doc["config"]["beam"] == resolve_settings("cpu").tuned("index_beam") and doc["config"]["beam_frac"] == 0.5
+    # the profile's beam is auto: the embedded model's decode steps walk with 32
+    assert resolve_settings("cpu").tuned("index_beam") == 0
+    assert doc["config"]["beam"] == 32 and doc["config"]["beam_frac"] == 0.5
     bad = run_cli([*args, "--beam", "0"])
     assert bad.returncode == 2 and "--beam: each value must be 1 or more" in bad.stderr.decode()
 

@@ -36,6 +36,8 @@ def ice_attention(module, query, key, value, attention_mask, scaling=None, dropo
     softcap = kwargs.get("softcap")  # Gemma 2 caps its scores (None: no cap)
     if isinstance(layer, IceLayer):
         if layer.offloaded:
+            if layer.awaits_prompt_votes():
+                cache.prompt_votes(scale, softcap)  # a prompt that came whole: its last queries vote first
             return layer.attend(query[0], scale, softcap), None
         layer.observe(query[0])
     elif isinstance(layer, GrowingLayer):

@@ -96,6 +96,13 @@ class IceCache(Cache):
         if isinstance(layer, IceLayer):
             layer.observe(queries, positions)
 
+    def prompt_votes(self, scale: float, softcap: float | None = None) -> None:
+        """``answer_spans``: every sparse layer's votes from the prompt's last queries, before the
+        first generated token's step attends (:meth:`IceLayer.prompt_votes`); the passages are
+        chosen from all of them at that step."""
+        for layer in self.ice_layers():
+            layer.prompt_votes(scale, softcap)
+
     def end_prefill(self) -> None:
         """Every layer offloaded and indexed (the prefill's wall time includes its index)."""
         for layer in self.ice_layers():

@@ -137,10 +137,27 @@ class IceLayer(DecodeStep, CacheLayerMixin):
     def observe(self, queries: torch.Tensor, positions: np.ndarray | None = None) -> None:
         """A prefill chunk's queries (query heads, chunk, head_dim) at prompt ``positions``
         (default: the chunk's, the last ones the layer holds), for a selector that uses them."""
-        if self.selector is not None and not self.offloaded:
-            if positions is None:
-                positions = np.arange(self.length - queries.shape[1], self.length)
+        if self.offloaded:
+            return
+        if positions is None:
+            positions = np.arange(self.length - queries.shape[1], self.length)
+        if self.selector is not None:
             self.selector.observe(queries, positions)
+        if self.passages is not None and self.remap is None:  # (true positions: the host keys as they are)
+            self.passages.keep(queries, positions)
+
+    def awaits_prompt_votes(self) -> bool:
+        """``answer_spans``: this is the first generated token's step after a prompt that came
+        whole (no prompt token stepped) and the prompt's last queries are still to vote."""
+        return (self.passages is not None and self.length == self.answer_at + 1
+                and self.passages.awaits_prompt_votes())
+
+    def prompt_votes(self, scale: float, softcap: float | None = None) -> None:
+        """``answer_spans`` for a prompt that came whole: offloaded now (as its first decode step
+        would), this layer votes with the prompt's last queries (:meth:`AnswerPassages.prompt_votes`)."""
+        if self.passages is not None and self.passages.prompt_end is not None:
+            self.offload_prompt()
+            self.passages.prompt_votes(self.heads, self.store, scale, softcap)
 
     def offload_prompt(self) -> None:
         """Offload and index the prompt now (after any background job of this layer)."""

@@ -11,8 +11,11 @@ last steps that run one token at a time (a sparse prefill's tail, a question aft
 document; at most 32) vote: every sparse layer scores its query heads' exact attention weights
 over the offloaded tokens (softmax over them), and a token keeps its largest weight over the
 heads, layers and steps. The prompt's last step then pins the passages, so the first answer
-token reads them. (A prompt whose end came in a chunk has no such steps: the first generated
-token votes, and the steps after it read the passages.) The first version summed the weights
+token reads them. A prompt whose end came in a chunk (a full prefill) has no such steps: its
+chunk's last queries, kept as the chunk computed them, vote the same way before the first
+generated token's step, which pins (with remapped positions, where the index sees queries
+turned to the pages' place, the first generated token votes and the steps after it read the
+passages). The first version summed the weights
 over the heads at the prompt's last step and the first generated token's: that favoured the
 early sentence ends that many heads attend a little. In a 16k report its best
 passages held the three facts only 4th, 7th and past the 16th, where the largest weight over
@@ -196,6 +199,39 @@ class AnswerPassages:
         self.pinned = None  # a TokenPages of the pinned passages, once chosen
         self.load: tuple | None = None
         self.lead = 0
+        # the prompt's last queries a prefill chunk computed: (positions, (query heads, m, d)),
+        # at most VOTE_STEPS of them, the latest (:meth:`keep`)
+        self.prompt_end: tuple[np.ndarray, torch.Tensor] | None = None
+
+    def keep(self, queries: torch.Tensor, positions: np.ndarray) -> None:
+        """Keep the latest ``VOTE_STEPS`` of a prefill's queries (query heads, n, d) at prompt
+        ``positions`` (n,), for the votes of a prompt that comes whole (:meth:`prompt_votes`)."""
+        positions = np.asarray(positions, np.int64)
+        if self.prompt_end is not None:
+            positions = np.concatenate([self.prompt_end[0], positions])
+            queries = torch.cat([self.prompt_end[1], queries], dim=1)
+        latest = np.argsort(positions, kind="stable")[-VOTE_STEPS:]
+        self.prompt_end = (positions[latest], queries[:, torch.from_numpy(latest)].detach().float().cpu())
+
+    def prompt_votes(self, heads: int, store, scale: float, softcap: float | None = None) -> None:
+        """A prompt that came whole (a full prefill, no steps of its own): the queries
+        :meth:`keep` holds of its last ``VOTE_STEPS`` tokens vote over the offloaded keys in
+        ``store``, as those steps would have (each query head's softmax over them), so the first
+        generated token's step already reads the passages. Once; none where nothing was kept."""
+        if self.prompt_end is None or store is None or not store.rows or self.votes.chosen is not None:
+            return
+        positions, q = self.prompt_end
+        self.prompt_end = None
+        end = int(positions.max()) + 1  # the prompt's length
+        q = q[:, torch.from_numpy(positions >= end - VOTE_STEPS)]
+        Hq, m, d = q.shape  # query heads grouped by KV head, as the attention has them
+        self.votes.add(head_weights(q.reshape(heads, Hq // heads * m, d), store.keys, store.rows, scale,
+                                    softcap), end)
+
+    def awaits_prompt_votes(self) -> bool:
+        """Whether the votes are still to come from the prompt's kept queries: none cast yet
+        (no stepped prompt end voted) and queries kept."""
+        return self.prompt_end is not None and not self.votes.step and self.votes.chosen is None
 
     def clear(self) -> None:
         """Nothing pinned (a fork to another budget chooses again)."""
@@ -208,8 +244,9 @@ class AnswerPassages:
         ``VOTE_STEPS``: a sparse prefill's tail, a question after a saved document) vote with
         this step's queries as the index sees them (``chooser``: H, G, d) over the offloaded
         keys in ``store``. The prompt's last step pins the passages those steps voted for, so the
-        first answer token already reads them. A prompt whose end came in a chunk has no votes
-        then: the first generated token's step votes, and the next step pins. ``merge``: passages
+        first answer token already reads them. A prompt whose end came in a chunk has voted with
+        its chunk's last queries before the first generated token's step (:meth:`prompt_votes`),
+        which pins; where none were kept (remapped positions) that step votes and the next pins. ``merge``: passages
         may join (:func:`pinned_anchors`; with ``remap_pin_gap`` the budget's pages sit far
         back and the passages carry the answer alone, so a well-voted row next to a passage joins
         it: a needle's first mention cut off otherwise). ``softcap``: the model's cap on its

@@ -42,6 +42,9 @@ class IceSpec:
     # the decode attention over the resident rows on a GPU: "torch", "flashinfer" or "auto"
     # (:class:`~.backend.TorchBackend`)
     attention_backend: str = "auto"
+    # key dimensions a decode step's page searches cover: sparse layers x KV heads x head_dim
+    # (the DCI selector's auto beam; 0: unknown)
+    walk_dims: int = 0
 
     @property
     def span_pages(self) -> int:

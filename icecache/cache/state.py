@@ -30,10 +30,9 @@ class StateError(ValueError):
 
 def _index_config(cache):
     """The DCI-trees' configuration, one object for every tree of the cache (saved by name)."""
-    from .selectors.dci import DCISettings, tree_config
+    from .selectors.dci import spec_tree_config
 
-    tuning = cache.spec.tuning if isinstance(cache.spec.tuning, DCISettings) else DCISettings()
-    return tree_config(tuning, cache.spec.page_size, cache.spec.chunk_tokens)
+    return spec_tree_config(cache.spec)
 
 
 def _anchors(cache) -> dict[int, str]:

@@ -10,9 +10,22 @@ from .planner import host_dtype, positions, prepare_model
 from .registry import Method, check_prefill, get
 
 
-def ice_spec(settings: Settings, method: Method, softcap: float | None = None):
+def walk_dims(model_config, settings: Settings) -> int:
+    """Key dimensions a decode step's page searches cover: the sparse layers (global layers
+    past ``dense_layers``; a sliding-window layer keeps its window only) x KV heads x head_dim."""
+    from ..cache.window import window_sizes
+    from ..memory import kv_shape
+
+    layers, heads, head_dim = kv_shape(model_config)
+    windows = window_sizes(model_config, layers)
+    sparse = sum(1 for i, w in enumerate(windows) if not w and i >= settings.dense_layers)
+    return sparse * heads * head_dim
+
+
+def ice_spec(settings: Settings, method: Method, softcap: float | None = None, walk: int = 0):
     """The paged cache's spec for ``method`` under ``settings`` (budget in pages from here on);
-    ``softcap``: the model's cap on its attention scores (Gemma 2), for the selectors."""
+    ``softcap``: the model's cap on its attention scores (Gemma 2), for the selectors; ``walk``:
+    the model's :func:`walk_dims` (the DCI selector's auto beam)."""
     from ..cache import IceSpec
     from ..config import selector_settings
 
@@ -36,6 +49,7 @@ def ice_spec(settings: Settings, method: Method, softcap: float | None = None):
         host_dtype=host_dtype(settings),
         softcap=softcap or None,
         attention_backend=settings.attention_backend,
+        walk_dims=walk,
     )
 
 

@@ -142,12 +142,13 @@ class PagedKind(CacheKind):
     def make(self, method, model, settings, tokens, prompt_tokens, windows):
         from ..cache import IceCache
         from ..cache.positions import Remap, RopeFrame
-        from .factory import ice_spec
+        from .factory import ice_spec, walk_dims
         from .planner import dense_kv_dtype, dense_plan, positions
         from .registry import anchor_layers
 
         layers = model.config.num_hidden_layers
-        spec = ice_spec(settings, method, getattr(model.config, "attn_logit_softcapping", None))
+        spec = ice_spec(settings, method, getattr(model.config, "attn_logit_softcapping", None),
+                        walk_dims(model.config, settings))
         remap = None
         dense, clamp = dense_plan(method.name, model, settings, tokens, prompt_tokens)
         if not dense and positions(method.name, model, settings, tokens) == "remap":

@@ -30,9 +30,10 @@ class DCISettings:
     """IceCache's search (profile keys of the same names; the defaults are the shipped values,
     their figures in docs/results.md, "The index")."""
 
-    # DCI-tree nodes expanded per level in a decode step's query; at least index_beam_frac of
-    # the indexed keys (0: a fixed beam, a step's cost flat with the context)
-    index_beam: int = 32
+    # DCI-tree nodes expanded per level in a decode step's query (0: auto, :func:`decode_beam`);
+    # at least index_beam_frac of the indexed keys (0: a fixed beam, a step's cost flat with the
+    # context)
+    index_beam: int = 0
     index_beam_frac: float = 0.0
     # how a node's children are cut into pages: "similar" (balanced k-means groups) or
     # "projection" (runs along a random direction)
@@ -54,8 +55,8 @@ class DCISettings:
     prefill_beam: int = 128
 
     def __post_init__(self):
-        if self.index_beam < 1:
-            raise ValueError("index_beam must be >= 1")
+        if self.index_beam < 0:
+            raise ValueError("index_beam must be 0 (auto) or more")
         if not 0 <= self.index_beam_frac < 1:
             raise ValueError("index_beam_frac must be in [0, 1)")
         if self.index_pages not in ("projection", "similar"):
@@ -72,13 +73,41 @@ class DCISettings:
             raise ValueError("prefill_beam must be 0 (the index_beam) or more")
 
 
+# ``index_beam: 0`` (auto): 32 nodes per level where a decode step walks the keys of 28 sparse
+# layers x 3 KV heads x 64 dimensions (the embedded model, on which the beam, carry_pages and
+# prefill_beam were measured together: docs/profiles.md, "The fixed beam"), and proportionally
+# more where a step walks fewer key dimensions, so that its walks read about as many key bytes
+# per token. Gemma 3 270M walks 3 global layers x 1 KV head x 256 dimensions: 224 nodes, 2.2 ms
+# more a token at 16k, where 32 missed a number's digits that the exact search finds
+# (docs/results.md, "Gemma 3 270M at 16k").
+AUTO_BEAM = 32
+AUTO_WALK_DIMS = 28 * 3 * 64
+
+
+def decode_beam(settings: DCISettings, walk_dims: int = 0) -> int:
+    """A decode step's beam: ``index_beam`` where set, else the auto beam for a model whose step
+    walks ``walk_dims`` key dimensions (sparse layers x KV heads x head_dim; 0: unknown, the
+    reference's 32)."""
+    if settings.index_beam:
+        return settings.index_beam
+    if walk_dims <= 0:
+        return AUTO_BEAM
+    return max(AUTO_BEAM, AUTO_BEAM * AUTO_WALK_DIMS // walk_dims)
+
+
+def spec_tree_config(spec) -> IndexConfig:
+    """The trees' :class:`IndexConfig` for a cache of ``spec`` (:class:`~..spec.IceSpec`)."""
+    tuning = spec.tuning if isinstance(spec.tuning, DCISettings) else DCISettings()
+    return tree_config(tuning, spec.page_size, spec.chunk_tokens, decode_beam(tuning, spec.walk_dims))
+
+
 @functools.lru_cache(maxsize=64)
-def tree_config(settings: DCISettings, page_size: int, chunk_tokens: int) -> IndexConfig:
+def tree_config(settings: DCISettings, page_size: int, chunk_tokens: int, beam: int) -> IndexConfig:
     """The trees' :class:`IndexConfig` (one object for every layer of a cache with these
-    arguments, which the saved state refers to by name)."""
+    arguments, which the saved state refers to by name); ``beam``: the decode beam."""
     # About two pages of children per bottom-level parent (1 in 32 promoted at pages of 16); at
     # most a chunk's keys between refinements (tiny test chunks too)
-    return IndexConfig(page_size=page_size, ratio_bottom=1 / (2 * page_size), beam=settings.index_beam,
+    return IndexConfig(page_size=page_size, ratio_bottom=1 / (2 * page_size), beam=beam,
                        beam_frac=settings.index_beam_frac, pages=settings.index_pages,
                        merge=settings.index_merge, refine=settings.index_refine,
                        refine_min=max(1, min(256, chunk_tokens)), walk_keys=settings.index_walk_keys)
@@ -90,7 +119,7 @@ class DCISelector(HeadIndexes):
 
     def __init__(self, spec):
         super().__init__(spec)
-        self.tree = tree_config(self.settings, spec.page_size, spec.chunk_tokens)
+        self.tree = spec_tree_config(spec)
         self.carried: list[np.ndarray] | None = None  # carry_pages: the last choice's pages per KV head
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
