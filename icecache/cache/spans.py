@@ -15,9 +15,10 @@ token reads them. A prompt whose end came in a chunk (a full prefill) has no suc
 chunk's last queries, kept as the chunk computed them, vote the same way before the first
 generated token's step, which pins (with remapped positions, where the index sees queries
 turned to the pages' place, the first generated token votes and the steps after it read the
-passages). The first version summed the weights
-over the heads at the prompt's last step and the first generated token's: that favoured the
-early sentence ends that many heads attend a little. In a 16k report its best
+passages). At 16k, Gemma 3's first answer digit was written without the passages before the
+prefill's queries voted (docs/results.md, "Gemma 3 270M at 16k"). The first version summed the
+weights over the heads at the prompt's last step and the first generated token's: that
+favoured the early sentence ends that many heads attend a little. In a 16k report its best
 passages held the three facts only 4th, 7th and past the 16th, where the largest weight over
 the question's steps put each fact first: the few heads that look a fact up weigh it highly.
 After that, the ``answer_spans`` tokens with the most votes, each at least a passage away from
@@ -246,11 +247,11 @@ class AnswerPassages:
         keys in ``store``. The prompt's last step pins the passages those steps voted for, so the
         first answer token already reads them. A prompt whose end came in a chunk has voted with
         its chunk's last queries before the first generated token's step (:meth:`prompt_votes`),
-        which pins; where none were kept (remapped positions) that step votes and the next pins. ``merge``: passages
-        may join (:func:`pinned_anchors`; with ``remap_pin_gap`` the budget's pages sit far
-        back and the passages carry the answer alone, so a well-voted row next to a passage joins
-        it: a needle's first mention cut off otherwise). ``softcap``: the model's cap on its
-        scores, applied to the votes' scores."""
+        which pins; where none were kept (remapped positions) that step votes and the next pins.
+        ``merge``: passages may join (:func:`pinned_anchors`; with ``remap_pin_gap`` the budget's
+        pages sit far back and the passages carry the answer alone, so a well-voted row next to a
+        passage joins it: a needle's first mention cut off otherwise). ``softcap``: the model's
+        cap on its scores, applied to the votes' scores."""
         if not answer_at or length <= answer_at - VOTE_STEPS or store is None or self.pinned is not None:
             return
         if length >= answer_at and self.votes.step and self.votes.step < length:

@@ -78,8 +78,8 @@ class DCISettings:
 # prefill_beam were measured together: docs/profiles.md, "The fixed beam"), and proportionally
 # more where a step walks fewer key dimensions, so that its walks read about as many key bytes
 # per token. Gemma 3 270M walks 3 global layers x 1 KV head x 256 dimensions: 224 nodes, 2.2 ms
-# more a token at 16k, where 32 missed a number's digits that the exact search finds
-# (docs/results.md, "Gemma 3 270M at 16k").
+# more index query a token at 16k, where 32 missed a number's digit that the exact search
+# finds (docs/results.md, "Gemma 3 270M at 16k").
 AUTO_BEAM = 32
 AUTO_WALK_DIMS = 28 * 3 * 64
 
