@@ -280,6 +280,8 @@ def test_a_whole_prompt_votes_with_its_last_queries_as_steps_would():
     largest softmax weight of any query head at any of the prompt's last VOTE_STEPS positions
     (each position's queries scored alone, as a stepped token's are), and the passages are
     read from the first generated token's step."""
+    import unittest.mock
+
     from icecache.cache.ice_layer import IceLayer
     from icecache.cache.spec import VOTE_STEPS
 
@@ -294,12 +296,10 @@ def test_a_whole_prompt_votes_with_its_last_queries_as_steps_would():
     rng = np.random.default_rng(11)
     prompt = rng.integers(0, 97, 230).tolist()
     cache = ice_cache(model, _spans(2, 1))
-    import unittest.mock
-
     with unittest.mock.patch.object(IceLayer, "observe", recorded):
         run_steps(model, cache, prompt, rng.integers(0, 97, 2).tolist())
     layers = cache.ice_layers()
-    want = None
+    want = None  # the votes are shared by the layers: each row's best over all of them
     for layer in layers:
         assert layer.passages.pinned is not None
         q = torch.cat([c for c, _ in seen[layer.layer_idx]], dim=1)[:, -VOTE_STEPS:]  # (Hq, 32, d)
