@@ -469,18 +469,84 @@ def test_oracle_equals_full_with_room_and_differs_without(method):
     prepare_model("full", model)
 
 
-@pytest.mark.parametrize("carry", [1, 80])
-def test_carried_pages_covering_everything_equal_full(carry):
-    """With room for every token, carried pages decode exactly like the dense cache."""
+@pytest.mark.parametrize("carry,pick,rest", [(1, 0, False), (80, 0, False), (8, 2, False), (8, 2, True)])
+def test_carried_pages_covering_everything_equal_full(carry, pick, rest):
+    """With room for every token, carried pages (and token picks, ``index_pick``) decode exactly
+    like the dense cache."""
     model = tiny_model("llama", 2)
     rng = np.random.default_rng(3)
     prompt = rng.integers(0, 97, 150).tolist()
     forced = rng.integers(0, 97, 30).tolist()
     ref = run_steps(model, full_cache(model), prompt, forced)
-    s = spec(budget_pages=64, carry_pages=carry)
+    s = spec(budget_pages=64, carry_pages=carry, index_pick=pick, rest_estimate=rest)
     got = run_steps(model, ice_cache(model, s), prompt, forced)
     for a, b in zip(ref, got, strict=True):
         torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_token_picks_fill_the_pool_and_the_rest_counts_every_other_token(sparse):
+    """``index_pick``: at every step of every sparse layer (a sparse prefill's chunks, its prompt
+    end, then the decode budget: three pool sizes) the pool holds exactly the picked tokens, a
+    budget's worth, each once at its current version; the rest estimate stands for every other
+    offloaded token once (its rows' counts plus the pool's rows are the host store's rows)."""
+    from icecache.cache.ice_layer import IceLayer
+
+    model = tiny_model("llama", 2)
+    rng = np.random.default_rng(8)
+    s = spec(budget_pages=3, index_pick=4, rest_estimate=True, carry_pages=8)
+    if sparse:
+        s = dataclasses.replace(s, sparse_prefill=True, prefill_pages=8, tail_pages=5, chunk_tokens=32,
+                                dense_window=64)
+    cache = ice_cache(model, s)
+    checked = 0
+    tail = 6 if sparse else 0  # prompt tokens a sparse prefill steps through, 5 pages each
+    with torch.inference_mode():
+        if sparse:
+            cache.begin_prefill(160, tail)
+            for _ in range(5):
+                model(input_ids=torch.tensor([rng.integers(0, 97, 32).tolist()]), past_key_values=cache,
+                      use_cache=True, logits_to_keep=1)
+        else:
+            model(input_ids=torch.tensor([rng.integers(0, 97, 160).tolist()]), past_key_values=cache, use_cache=True)
+        for step, t in enumerate(rng.integers(0, 97, tail + 12).tolist()):
+            if sparse and step == tail:
+                cache.end_prefill()
+            model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True)
+            for layer in cache.layers:
+                if not (isinstance(layer, IceLayer) and layer.offloaded):
+                    continue
+                layer.wait()
+                r, picks = layer.resident, layer.selector.picks
+                r.check(layer.selected, layer.selector.page_table)
+                for h, tokens in enumerate(picks):
+                    rows = r.pool_row[h][r.valid[h, r.pool_at : r.window_at]]
+                    assert sorted(rows.tolist()) == sorted(tokens.tokens().tolist())
+                    assert len(rows) == (5 if step < tail else 3) * s.page_size  # from 4 x the pages
+                estimate = sum(torch.where(torch.isfinite(b), b.exp(), torch.zeros_like(b)).sum(1)
+                               for _k, _v, b in layer.rest_rows())
+                pooled = r.valid[:, r.pool_at : r.window_at].sum(1)
+                np.testing.assert_allclose(estimate.numpy() + pooled, layer.store.rows, rtol=1e-5)
+                checked += 1
+    assert checked == (tail + 12) * 3  # every step, every sparse layer (one dense layer of four)
+
+
+def test_token_picks_of_another_size_take_versions_no_page_had():
+    """A pool whose slots held one size of picked pages (a sparse prefill's chunks) reloads every
+    slot at the next size (its prompt end, the decode budget): the new pages' versions are above
+    every old one, so no slot's (page, version) can match a page whose members differ."""
+    from icecache.cache.selectors import make_selector
+
+    rng = np.random.default_rng(13)
+    sel = make_selector(IceSpec(page_size=4, budget_pages=3, tuning=dataclasses.replace(LAB_DCI, index_pick=2)))
+    sel.build(torch.from_numpy(rng.normal(size=(2, 300, 16)).astype(np.float32)), 0, 300, 400)
+    for size in (8, 8, 5, 3, 3):
+        before = max(int(t.version.max()) for t in sel.picks) if sel.picks else -1
+        resized = not sel.picks or sel.picks[0].npages != size
+        got = sel.select(rng.normal(size=(2, 2, 16)).astype(np.float32), size)
+        assert all(len(g) <= size for g in got) and len(sel.picks) == 2
+        if resized:
+            assert min(int(t.version.min()) for t in sel.picks) > before
 
 
 def test_pick_kernel_equals_the_numpy_reference():

@@ -203,8 +203,10 @@ def step_rest(rest: RestPages, selector, resident, store: HostStore, pinned_rows
     (``has_tree``), pinned answer passages at host rows ``pinned_rows`` (None: none). The tree
     changes only when keys go into it, so ``rest`` is refreshed only when the store grew.
     ``general``: with pinned passages, :meth:`RestPages.rest` from the pool's rows instead of
-    :meth:`RestPages.rest_pinned` (the reference it is tested against)."""
+    :meth:`RestPages.rest_pinned` (the reference it is tested against); a pool of single tokens
+    (``index_pick``) always takes that path."""
     heads = resident.keys.shape[0]
+    general = general or not selector.whole_tree_pages  # index_pick: tokens of tree pages
     if rest.rows != store.rows:
         rest.npages = 0
         for h in range(heads):

@@ -70,6 +70,7 @@ class PageSelector:
     budget_in_index = False  # its index holds a choice made for one budget (no IceCache.forked)
     estimates = False  # the attention weighs the chosen rows by :meth:`row_bias` (MagicPIG)
     has_tree = False  # :meth:`tree_pages` answers now (dci with its trees built: rest_estimate)
+    whole_tree_pages = True  # where has_tree: the pool's main slots hold whole tree pages
 
     def __init__(self, spec: IceSpec):
         self.spec = spec

@@ -22,7 +22,7 @@ from ...index.config import MERGES, WALK_KEYS
 from ...index.walk import select_layer
 from ..kernels import pick_rows
 from .base import HeadIndexes, register
-from .tokens import group_weights, top_tokens
+from .tokens import TokenPages, group_weights, top_tokens
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class DCISettings:
     rest_estimate: bool = True
     # sparse prefill: nodes per level a chunk's search expands (0: index_beam)
     prefill_beam: int = 128
+    # a step loads the budget's tokens with the most of the group's attention among index_pick
+    # x the budget in the tree's pages, their keys scored exactly on the host (0: whole pages)
+    index_pick: int = 0
 
     def __post_init__(self):
         if self.index_beam < 0:
@@ -71,6 +74,8 @@ class DCISettings:
             raise ValueError("carry_pages must be a whole number from 0 (off) to 1024")
         if self.prefill_beam < 0:
             raise ValueError("prefill_beam must be 0 (the index_beam) or more")
+        if not 0 <= self.index_pick <= 16:
+            raise ValueError("index_pick must be a whole number from 0 (whole pages) to 16")
 
 
 # ``index_beam: 0`` (auto): 32 nodes per level where a decode step walks the keys of 28 sparse
@@ -121,6 +126,7 @@ class DCISelector(HeadIndexes):
         super().__init__(spec)
         self.tree = spec_tree_config(spec)
         self.carried: list[np.ndarray] | None = None  # carry_pages: the last choice's pages per KV head
+        self.picks: list[TokenPages] = []  # index_pick: the picked tokens of each KV head, as pool pages
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
         super().build(prompt_keys, lo, hi, capacity, middle)
@@ -130,8 +136,9 @@ class DCISelector(HeadIndexes):
         return DCITree(self.head_dim, self.tree, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
-        ranked = self.carry(self.select_pages(queries, max(max_pages, self.settings.carry_pages), wide, self.carried))
-        return ranked if self.settings.carry_pages <= max_pages else [p[:max_pages] for p in ranked]
+        want = max_pages * max(1, self.settings.index_pick)
+        ranked = self.carry(self.select_pages(queries, max(want, self.settings.carry_pages), wide, self.carried))
+        return self.pick(queries, [p[:want] for p in ranked], max_pages)
 
     def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """A sparse prefill's choice (a chunk, or one of the prompt's last steps): the tree's
@@ -140,7 +147,35 @@ class DCISelector(HeadIndexes):
         n = max((tree.n for tree in self.indexes), default=0)
         if self.settings.prefill_beam and n:  # nodes per level, as a share of the keys
             wide = max(wide, self.settings.prefill_beam / n)
-        return self.carry(self.select_pages(queries, max_pages, wide))
+        want = max_pages * max(1, self.settings.index_pick)
+        return self.pick(queries, self.carry(self.select_pages(queries, want, wide)), max_pages)
+
+    def pick(self, queries: np.ndarray, candidates: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
+        """The pages a step loads from each KV head's ``candidates`` (ranked tree pages): the first
+        ``max_pages``; with ``index_pick``, pages of :attr:`picks` holding the ``max_pages`` x
+        page_size candidate tokens of largest group weight (:func:`picked`)."""
+        if not self.settings.index_pick:
+            return [p[:max_pages] for p in candidates]
+        if not self.picks or self.picks[0].npages != max_pages:
+            # the pool's pages change size (a sparse prefill's chunks, its prompt end, the decode
+            # budget): new pages, at versions none of the old ones had, so every slot reloads
+            after = 1 + max((int(t.version.max()) for t in self.picks), default=0)
+            self.picks = [TokenPages(self.spec.page_size, max_pages) for _ in self.indexes]
+            for t in self.picks:
+                t.version[:] = after
+        take = max_pages * self.spec.page_size
+        return [tokens.choose(picked(tree, queries[h], candidates[h], take))
+                for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
+
+    def page_table(self, head: int):
+        if self.settings.index_pick:
+            return self.picks[head].table()
+        return super().page_table(head)
+
+    @property
+    def whole_tree_pages(self) -> bool:
+        """The pool holds whole tree pages (not ``index_pick``'s tokens)."""
+        return not self.settings.index_pick
 
     def select_pages(self, queries: np.ndarray, max_pages: int, wide: float = 0.0,
                      extra: list[np.ndarray] | None = None) -> list[np.ndarray]:
@@ -173,6 +208,7 @@ class DCISelector(HeadIndexes):
     def release(self) -> None:
         super().release()
         self.carried = None
+        self.picks = []
 
 
 def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
