@@ -48,6 +48,25 @@ def _compile_trees(head_dim: int, group: int, kv_heads, walk_keys: str) -> None:
     trees[0].select_group(queries[0], 64, 4)
     for h in kv_heads:
         select_layer(trees[:h], queries[:h], 64, 4)
+    _compile_picks(trees, queries, kv_heads)
+
+
+def _compile_picks(trees, queries, kv_heads) -> None:
+    """``index_pick``'s one call per layer (:func:`~icecache.cache.kernels.pick_layer`), per KV
+    head count like the walk."""
+    from .cache.kernels import pick_layer
+    from .cache.selectors.tokens import TokenPages
+
+    S, P = trees[0].cfg.page_size, 2
+    for h in kv_heads:
+        picks = [TokenPages(S, P) for _ in range(h)]
+        walk = [t.walk_keys() for t in trees[:h]]
+        pick_layer(tuple(w[0] for w in walk), tuple(w[1] for w in walk), walk[0][0].dtype == np.int8,
+                   tuple(t.members for t in trees[:h]),
+                   tuple(t.count for t in trees[:h]), np.tile(np.arange(4, dtype=np.int64), (h, 1)),
+                   np.full(h, 4, np.int64), queries[:h], P * S, 0.125, tuple(t.members for t in picks),
+                   tuple(t.count for t in picks), tuple(t.version for t in picks), np.empty((h, P), np.int32),
+                   np.zeros(h, np.int64))
 
 
 def compile_loads(kv_heads=KV_HEADS) -> None:

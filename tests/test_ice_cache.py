@@ -549,14 +549,45 @@ def test_token_picks_of_another_size_take_versions_no_page_had():
             assert min(int(t.version.min()) for t in sel.picks) > before
 
 
-def test_pick_kernel_equals_the_numpy_reference():
-    """``picked`` (numba) against ``pick_tokens`` (NumPy) on a real tree, several takes."""
+def test_the_layer_pick_equals_the_per_head_reference():
+    """``DCISelector.pick`` (every KV head's pick and packing in one numba call) against
+    :meth:`pick_reference` (per head, NumPy) from the same state, step after step: the same
+    pages and the same page tables."""
+    import copy
+
+    from icecache.cache.selectors import make_selector
+
+    rng = np.random.default_rng(14)
+    sel = make_selector(IceSpec(page_size=4, budget_pages=3, tuning=dataclasses.replace(LAB_DCI, index_pick=3)))
+    sel.build(torch.from_numpy(rng.normal(size=(3, 500, 16)).astype(np.float32)), 0, 500, 600)
+    sel.pick(rng.normal(size=(3, 2, 16)).astype(np.float32), sel.select_pages(np.ones((3, 2, 16), np.float32), 9), 3)
+    changed = 0
+    for _ in range(30):
+        q = (rng.normal(size=(3, 2, 16)) * 1.5).astype(np.float32)
+        candidates = sel.select_pages(q, 9)
+        before, start = copy.deepcopy(sel.picks), copy.deepcopy(sel.picks)
+        got = sel.pick(q, candidates, 3)
+        fast, sel.picks = sel.picks, before
+        want = sel.pick_reference(q, candidates, 3)
+        for a, b in zip(got, want, strict=True):
+            np.testing.assert_array_equal(a, b)
+        for x, y in zip(fast, sel.picks, strict=True):
+            for u, v in zip(x.table(), y.table(), strict=True):
+                np.testing.assert_array_equal(u, v)
+        changed += sum(int((x.version != y.version).any()) for x, y in zip(fast, start, strict=True))
+    assert changed  # the picks moved between steps (the packing was exercised)
+
+
+@pytest.mark.parametrize("walk_keys", ["float32", "int8"])
+def test_pick_kernel_equals_the_numpy_reference(walk_keys):
+    """``picked`` (numba) against ``pick_tokens`` (NumPy) on a real tree, several takes, over
+    either of the keys a walk reads."""
     from icecache.cache.selectors.dci import pick_tokens, picked
     from icecache.index import DCITree
 
     rng = np.random.default_rng(11)
     d = 16
-    tree = DCITree(d, IndexConfig(page_size=4, ratio_bottom=0.1), capacity=800)
+    tree = DCITree(d, IndexConfig(page_size=4, ratio_bottom=0.1, walk_keys=walk_keys), capacity=800)
     tree.insert(rng.normal(size=(700, d)).astype(np.float32))
     for _ in range(25):
         tree.insert(rng.normal(size=(4, d)).astype(np.float32))

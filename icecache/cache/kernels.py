@@ -157,20 +157,22 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _dot(a, b):
+def _dot_scaled(q, key, step):
     acc = np.float32(0.0)
-    for c in range(a.shape[0]):
-        acc += a[c] * b[c]
-    return acc
+    for c in range(q.shape[0]):
+        acc += q[c] * np.float32(key[c])
+    return acc * step
 
 
 @njit(nogil=True, cache=True)
-def pick_rows(PX, members, count, pages, queries, take, scale):
-    """A token choice for one KV head (``icecache bench index --pick``'s ``ice_pickM``): the
-    ``take`` members of the tree's ``pages`` (``PX``: the tree's page-major keys, the key in the
-    first ``d`` columns) with the largest group weight (each query's softmax over the candidates,
-    summed over the group's ``queries`` (G, d)), in candidate order; all candidates when they fit.
-    Reference: :func:`icecache.cache.selectors.dci.pick_tokens`."""
+def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scale):
+    """A token choice for one KV head (``index_pick``; ``icecache bench index --pick``'s
+    ``ice_pickM``): the ``take`` members of the tree's ``pages`` with the largest group weight
+    (each query's softmax over the candidates, summed over the group's ``queries`` (G, d)), in
+    candidate order; all candidates when they fit. ``keys``, ``steps``: the keys the tree's walk
+    scores (``DCITree.walk_keys``: with ``quantized`` its int8 copy, a member's key ``keys[p, s]
+    * steps[p, s]``; else its float keys in the first ``d`` columns), which the walk has just
+    read for these pages. Reference: :func:`icecache.cache.selectors.dci.pick_tokens`."""
     G, d = queries.shape
     n = 0
     for i in range(pages.shape[0]):
@@ -189,9 +191,10 @@ def pick_rows(PX, members, count, pages, queries, take, scale):
     for i in range(pages.shape[0]):  # each candidate's key read once, for the whole group
         p = pages[i]
         for s in range(count[p]):
-            key = PX[p, s, :d]
+            key = keys[p, s, :d]
+            step = steps[p, s] * scale if quantized else np.float32(scale)
             for g in range(G):
-                score[g, j] = _dot(queries[g], key) * scale
+                score[g, j] = _dot_scaled(queries[g], key, step)
             j += 1
     weight = np.zeros(n, np.float64)
     e = np.empty(n, np.float64)
@@ -218,6 +221,24 @@ def pick_rows(PX, members, count, pages, queries, take, scale):
             out[c] = rows[j]
             c += 1
     return out
+
+
+@njit(nogil=True, cache=True)
+def pick_layer(keys, steps, quantized, members, count, candidates, n_candidates, queries, take, scale, chosen,
+               filled, versions, out, n_out):
+    """A decode step's token picks (``index_pick``) for every KV head of a layer in one call:
+    per head h, :func:`pick_rows` over its tree's pages (``members[h]``, ``count[h]``) and
+    its first ``n_candidates[h]`` ``candidates[h]`` pages for its group's ``queries[h]`` (the
+    walk's keys ``keys[h]``, ``steps[h]``, ``quantized`` as :func:`pick_rows`), then
+    :func:`choose_tokens` into its token pages (``chosen[h]``, ``filled[h]``, ``versions[h]``,
+    updated in place); the ids of the pages holding tokens go to ``out[h, :n_out[h]]``.
+    Reference: per head :func:`~.selectors.dci.pick_tokens` and ``TokenPages.choose_reference``."""
+    for h in range(len(keys)):
+        rows = pick_rows(keys[h], steps[h], quantized, members[h], count[h], candidates[h, : n_candidates[h]], queries[h],
+                         take, scale)
+        got = choose_tokens(chosen[h], filled[h], versions[h], rows)
+        out[h, : got.shape[0]] = got
+        n_out[h] = got.shape[0]
 
 
 @njit(nogil=True, cache=True)

@@ -20,7 +20,7 @@ import numpy as np
 from ...index import DCITree, IndexConfig
 from ...index.config import MERGES, WALK_KEYS
 from ...index.walk import select_layer
-from ..kernels import pick_rows
+from ..kernels import pick_layer, pick_rows
 from .base import HeadIndexes, register
 from .tokens import TokenPages, group_weights, top_tokens
 
@@ -137,7 +137,8 @@ class DCISelector(HeadIndexes):
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         want = max_pages * max(1, self.settings.index_pick)
-        ranked = self.carry(self.select_pages(queries, max(want, self.settings.carry_pages), wide, self.carried))
+        ranked = self.select_pages(queries, max(want, self.settings.carry_pages), wide, self.carried)
+        self.carry(ranked, max_pages)
         return self.pick(queries, [p[:want] for p in ranked], max_pages)
 
     def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
@@ -147,13 +148,15 @@ class DCISelector(HeadIndexes):
         n = max((tree.n for tree in self.indexes), default=0)
         if self.settings.prefill_beam and n:  # nodes per level, as a share of the keys
             wide = max(wide, self.settings.prefill_beam / n)
-        want = max_pages * max(1, self.settings.index_pick)
-        return self.pick(queries, self.carry(self.select_pages(queries, want, wide)), max_pages)
+        ranked = self.select_pages(queries, max_pages * max(1, self.settings.index_pick), wide)
+        self.carry(ranked, max_pages)
+        return self.pick(queries, ranked, max_pages)
 
     def pick(self, queries: np.ndarray, candidates: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
         """The pages a step loads from each KV head's ``candidates`` (ranked tree pages): the first
         ``max_pages``; with ``index_pick``, pages of :attr:`picks` holding the ``max_pages`` x
-        page_size candidate tokens of largest group weight (:func:`picked`)."""
+        page_size candidate tokens of largest group weight (:func:`picked`'s choice), every KV
+        head in one numba call (:func:`~..kernels.pick_layer`; reference :meth:`pick_reference`)."""
         if not self.settings.index_pick:
             return [p[:max_pages] for p in candidates]
         if not self.picks or self.picks[0].npages != max_pages:
@@ -163,8 +166,26 @@ class DCISelector(HeadIndexes):
             self.picks = [TokenPages(self.spec.page_size, max_pages) for _ in self.indexes]
             for t in self.picks:
                 t.version[:] = after
+        H = len(self.indexes)
+        n = np.array([len(c) for c in candidates], np.int64)
+        cand = np.zeros((H, max(1, int(n.max(initial=0)))), np.int64)
+        for h, c in enumerate(candidates):
+            cand[h, : n[h]] = c
+        out = np.empty((H, max_pages), np.int32)
+        n_out = np.zeros(H, np.int64)
+        trees, picks = self.indexes, self.picks
+        walk = [t.walk_keys() for t in trees]
+        pick_layer(tuple(w[0] for w in walk), tuple(w[1] for w in walk), walk[0][0].dtype == np.int8,
+                   tuple(t.members for t in trees), tuple(t.count for t in trees), cand, n,
+                   np.ascontiguousarray(queries, np.float32), max_pages * self.spec.page_size, float(self.head_dim) ** -0.5, tuple(t.members for t in picks), tuple(t.count for t in picks),
+                   tuple(t.version for t in picks), out, n_out)
+        return [out[h, : n_out[h]] for h in range(H)]
+
+    def pick_reference(self, queries: np.ndarray, candidates: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
+        """:meth:`pick`'s per-head NumPy path (:func:`pick_tokens`, ``TokenPages.choose_reference``),
+        on the same state, which the tests hold the one numba call to."""
         take = max_pages * self.spec.page_size
-        return [tokens.choose(picked(tree, queries[h], candidates[h], take))
+        return [tokens.choose_reference(pick_tokens(tree, queries[h], candidates[h], take))
                 for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
 
     def page_table(self, head: int):
@@ -185,11 +206,14 @@ class DCISelector(HeadIndexes):
         :meth:`~...index.DCITree.select_group` (tests/test_index.py)."""
         return select_layer(self.indexes, queries, max_pages * self.spec.page_size, max_pages, wide, extra)
 
-    def carry(self, pages: list[np.ndarray]) -> list[np.ndarray]:
-        """Remember ``pages`` (a search's ranked tree pages per KV head) for the next search."""
+    def carry(self, pages: list[np.ndarray], max_pages: int) -> None:
+        """Remember the head of ``pages`` (a search's ranked tree pages per KV head) for the next
+        search: ``carry_pages`` of them, at least the ``max_pages`` the step selects (with
+        ``index_pick``, not all its candidates: each carried page is scored again by the next
+        walk)."""
         if self.settings.carry_pages > 0:
-            self.carried = pages
-        return pages
+            keep = max(self.settings.carry_pages, max_pages)
+            self.carried = [p[:keep] for p in pages]
 
     @property
     def rest_estimate(self) -> bool:
@@ -218,11 +242,13 @@ def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
 
 
 def picked(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
-    """``icecache bench index --pick``'s token choice (``ice_pickM``, measured beside the pages
-    the cache loads): the ``take`` members of the tree's ``pages`` with the most of the group's
-    attention: each query's (G, d) softmax over the candidates' keys, summed over the group (all
-    when they fit), in candidate order. One numba pass (:func:`~..kernels.pick_rows`)."""
-    return pick_rows(tree.PX, tree.members, tree.count, np.asarray(pages, np.int64),
+    """``index_pick``'s token choice for one tree (``icecache bench index --pick``'s
+    ``ice_pickM``): the ``take`` members of the tree's ``pages`` with the most of the group's
+    attention: each query's (G, d) softmax over the candidates' keys as the walk reads them
+    (``DCITree.walk_keys``), summed over the group (all when they fit), in candidate order. One
+    numba pass (:func:`~..kernels.pick_rows`)."""
+    keys, steps = tree.walk_keys()
+    return pick_rows(keys, steps, keys.dtype == np.int8, tree.members, tree.count, np.asarray(pages, np.int64),
                      np.ascontiguousarray(queries, np.float32), take, float(tree.d) ** -0.5)
 
 
@@ -231,5 +257,9 @@ def pick_tokens(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int
     rows = page_members(tree, pages)
     if len(rows) <= take:
         return rows
-    keys = tree.rows(rows)[:, : tree.d]
+    walk, steps = tree.walk_keys()
+    at = tree.tok_page[rows], tree.tok_slot[rows]
+    keys = walk[at][:, : tree.d].astype(np.float64)
+    if walk.dtype == np.int8:  # the int8 copy: a key is its rounded coordinates times its step
+        keys *= steps[at][:, None]
     return rows[top_tokens(group_weights(queries, keys, tree.d ** -0.5), take)]
