@@ -540,13 +540,18 @@ def test_token_picks_of_another_size_take_versions_no_page_had():
     rng = np.random.default_rng(13)
     sel = make_selector(IceSpec(page_size=4, budget_pages=3, tuning=dataclasses.replace(LAB_DCI, index_pick=2)))
     sel.build(torch.from_numpy(rng.normal(size=(2, 300, 16)).astype(np.float32)), 0, 300, 400)
-    for size in (8, 8, 5, 3, 3):
-        before = max(int(t.version.max()) for t in sel.picks) if sel.picks else -1
+    before = -1
+    for size in (8, 8, 5, 3, 3, "build", 3):
+        if size == "build":  # a new index: no picks until the next step, then new pages
+            sel.build(torch.from_numpy(rng.normal(size=(2, 300, 16)).astype(np.float32)), 0, 300, 400)
+            assert sel.picks == []
+            continue
         resized = not sel.picks or sel.picks[0].npages != size
         got = sel.select(rng.normal(size=(2, 2, 16)).astype(np.float32), size)
         assert all(len(g) <= size for g in got) and len(sel.picks) == 2
         if resized:
             assert min(int(t.version.min()) for t in sel.picks) > before
+        before = max(before, max(int(t.version.max()) for t in sel.picks))
 
 
 def test_the_layer_pick_equals_the_per_head_reference():

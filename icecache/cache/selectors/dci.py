@@ -54,7 +54,7 @@ class DCISettings:
     # sparse prefill: nodes per level a chunk's search expands (0: index_beam)
     prefill_beam: int = 128
     # a step loads the budget's tokens with the most of the group's attention among index_pick
-    # x the budget in the tree's pages, their keys scored exactly on the host (0: whole pages)
+    # x the budget in the tree's pages, scored with the keys the walk reads (0: whole pages)
     index_pick: int = 0
 
     def __post_init__(self):
@@ -127,10 +127,12 @@ class DCISelector(HeadIndexes):
         self.tree = spec_tree_config(spec)
         self.carried: list[np.ndarray] | None = None  # carry_pages: the last choice's pages per KV head
         self.picks: list[TokenPages] = []  # index_pick: the picked tokens of each KV head, as pool pages
+        self.pick_base = 0  # index_pick: above every version its pages ever had (new pages start here)
 
     def build(self, prompt_keys, lo: int, hi: int, capacity: int, middle=None) -> None:
         super().build(prompt_keys, lo, hi, capacity, middle)
         self.carried = None  # a new index: nothing to carry
+        self.new_picks([])
 
     def new_index(self, head: int, capacity: int) -> DCITree:
         return DCITree(self.head_dim, self.tree, capacity=capacity)
@@ -161,11 +163,8 @@ class DCISelector(HeadIndexes):
             return [p[:max_pages] for p in candidates]
         if not self.picks or self.picks[0].npages != max_pages:
             # the pool's pages change size (a sparse prefill's chunks, its prompt end, the decode
-            # budget): new pages, at versions none of the old ones had, so every slot reloads
-            after = 1 + max((int(t.version.max()) for t in self.picks), default=0)
-            self.picks = [TokenPages(self.spec.page_size, max_pages) for _ in self.indexes]
-            for t in self.picks:
-                t.version[:] = after
+            # budget)
+            self.new_picks([TokenPages(self.spec.page_size, max_pages) for _ in self.indexes])
         H = len(self.indexes)
         n = np.array([len(c) for c in candidates], np.int64)
         cand = np.zeros((H, max(1, int(n.max(initial=0)))), np.int64)
@@ -187,6 +186,15 @@ class DCISelector(HeadIndexes):
         take = max_pages * self.spec.page_size
         return [tokens.choose_reference(pick_tokens(tree, queries[h], candidates[h], take))
                 for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
+
+    def new_picks(self, picks: list[TokenPages]) -> None:
+        """Replace :attr:`picks` (an empty list: none until the next step), the new pages at
+        versions none of the old ones ever had, so that no pool slot can take one of them for a
+        page it holds."""
+        self.pick_base = max([self.pick_base] + [int(t.version.max()) + 1 for t in self.picks])
+        for t in picks:
+            t.version[:] = self.pick_base
+        self.picks = picks
 
     def page_table(self, head: int):
         if self.settings.index_pick:
@@ -232,7 +240,7 @@ class DCISelector(HeadIndexes):
     def release(self) -> None:
         super().release()
         self.carried = None
-        self.picks = []
+        self.new_picks([])
 
 
 def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
