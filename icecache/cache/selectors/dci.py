@@ -141,7 +141,7 @@ class DCISelector(HeadIndexes):
         want = max_pages * max(1, self.settings.index_pick)
         ranked = self.select_pages(queries, max(want, self.settings.carry_pages), wide, self.carried)
         self.carry(ranked, max_pages)
-        return self.pick(queries, [p[:want] for p in ranked], max_pages)
+        return self.pick(queries, ranked, max_pages)
 
     def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """A sparse prefill's choice (a chunk, or one of the prompt's last steps): the tree's
@@ -154,13 +154,16 @@ class DCISelector(HeadIndexes):
         self.carry(ranked, max_pages)
         return self.pick(queries, ranked, max_pages)
 
-    def pick(self, queries: np.ndarray, candidates: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
-        """The pages a step loads from each KV head's ``candidates`` (ranked tree pages): the first
-        ``max_pages``; with ``index_pick``, pages of :attr:`picks` holding the ``max_pages`` x
-        page_size candidate tokens of largest group weight (:func:`picked`'s choice), every KV
-        head in one numba call (:func:`~..kernels.pick_layer`; reference :meth:`pick_reference`)."""
-        if not self.settings.index_pick:
-            return [p[:max_pages] for p in candidates]
+    def pick(self, queries: np.ndarray, ranked: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
+        """The pages a step loads from each KV head's ``ranked`` tree pages: the first
+        ``max_pages``; with ``index_pick`` M, pages of :attr:`picks` holding the ``max_pages`` x
+        page_size tokens of largest group weight among the first M x ``max_pages`` (:func:`picked`'s
+        choice), every KV head in one numba call (:func:`~..kernels.pick_layer`; reference
+        :meth:`pick_reference`)."""
+        M = self.settings.index_pick
+        if not M:
+            return [p[:max_pages] for p in ranked]
+        candidates = [p[: M * max_pages] for p in ranked]
         if not self.picks or self.picks[0].npages != max_pages:
             # the pool's pages change size (a sparse prefill's chunks, its prompt end, the decode
             # budget)
@@ -176,15 +179,17 @@ class DCISelector(HeadIndexes):
         walk = [t.walk_keys() for t in trees]
         pick_layer(tuple(w[0] for w in walk), tuple(w[1] for w in walk), walk[0][0].dtype == np.int8,
                    tuple(t.members for t in trees), tuple(t.count for t in trees), cand, n,
-                   np.ascontiguousarray(queries, np.float32), max_pages * self.spec.page_size, float(self.head_dim) ** -0.5, tuple(t.members for t in picks), tuple(t.count for t in picks),
+                   np.ascontiguousarray(queries, np.float32), max_pages * self.spec.page_size,
+                   float(self.head_dim) ** -0.5, tuple(t.members for t in picks), tuple(t.count for t in picks),
                    tuple(t.version for t in picks), out, n_out)
         return [out[h, : n_out[h]] for h in range(H)]
 
-    def pick_reference(self, queries: np.ndarray, candidates: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
+    def pick_reference(self, queries: np.ndarray, ranked: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
         """:meth:`pick`'s per-head NumPy path (:func:`pick_tokens`, ``TokenPages.choose_reference``),
-        on the same state, which the tests hold the one numba call to."""
-        take = max_pages * self.spec.page_size
-        return [tokens.choose_reference(pick_tokens(tree, queries[h], candidates[h], take))
+        on the same state (picks of ``max_pages`` already made), which the tests hold the one
+        numba call to."""
+        take, want = max_pages * self.spec.page_size, max_pages * self.settings.index_pick
+        return [tokens.choose_reference(pick_tokens(tree, queries[h], ranked[h][:want], take))
                 for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
 
     def new_picks(self, picks: list[TokenPages]) -> None:
