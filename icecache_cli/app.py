@@ -62,7 +62,11 @@ class Stopped(BaseException):
         self.word, self.code = ("interrupted", 130) if signum == signal.SIGINT else ("terminated", 143)
 
 
+_stop_signal: list[int] = []  # the SIGINT or SIGTERM that arrived while the command ran
+
+
 def _on_signal(signum, frame):
+    _stop_signal.append(signum)
     raise Stopped(signum)
 
 
@@ -115,6 +119,10 @@ def _run(argv: list[str] | None) -> int:
     except Exception as exc:  # a bug: one line, the traceback only on request
         if os.environ.get("ICECACHE_DEBUG"):
             raise
+        if _stop_signal:  # raised while unwinding from the signal (a lock half released by it)
+            stopped = Stopped(_stop_signal[0])
+            error(stopped.word)
+            return stopped.code
         error(f"internal error: {exc.__class__.__name__}: {exc} (set ICECACHE_DEBUG=1 for the traceback)")
         code = 1
     return code if isinstance(code, int) else 0

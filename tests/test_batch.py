@@ -66,8 +66,8 @@ def test_sigterm_then_resume_gives_each_document_once(folder, tmp_path):
     while time.time() < deadline and (not out.exists() or out.read_text().count("\n") < 3):
         time.sleep(0.2)
     proc.send_signal(signal.SIGTERM)
-    assert proc.wait(60) == 143
-    assert proc.stderr.read() == b"icecache: error: terminated\n"  # even with --quiet: it is an error
+    code, err = proc.wait(60), proc.stderr.read()
+    assert (code, err) == (143, b"icecache: error: terminated\n")  # even with --quiet: it is an error
     first = records(out.read_text())  # every line parses
     assert 3 <= len(first) < 20
     r = run_cli(["batch", str(folder), "--method", "full", "--max-new-tokens", "4", "--out", str(out), "--quiet"])

@@ -145,3 +145,34 @@ def test_help_and_input_errors_answer_without_torch(args, code, tmp_path):
     err = r.stderr.decode()
     assert r.returncode == code, err
     assert err.rsplit("heavy: ", 1)[1].strip() == "", err
+
+
+def test_an_error_raised_while_unwinding_from_sigterm_still_ends_as_terminated(monkeypatch, capsys):
+    """A signal's exception can be replaced on its way out (a lock it left half released raises
+    again in a ``finally``): the run still ends with the signal's line and exit code, not as an
+    internal error."""
+    import signal
+    import time
+
+    from icecache_cli import app as cli
+
+    def command(args, standalone_mode):
+        try:
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(5)  # the handler raises here
+        finally:
+            raise RuntimeError("release unlocked lock")
+
+    monkeypatch.setattr(cli, "app", command)
+    monkeypatch.setattr(cli, "_stop_signal", [])
+    before = signal.signal(signal.SIGTERM, cli._on_signal)
+    try:
+        assert cli._run([]) == 143
+    finally:
+        signal.signal(signal.SIGTERM, before)
+    assert capsys.readouterr().err == "icecache: error: terminated\n"
+    # without a signal the same error is an internal error, exit code 1
+    monkeypatch.setattr(cli, "_stop_signal", [])
+    monkeypatch.setattr(cli, "app", lambda args, standalone_mode: (_ for _ in ()).throw(RuntimeError("bug")))
+    assert cli._run([]) == 1
+    assert "internal error: RuntimeError: bug" in capsys.readouterr().err
