@@ -10,9 +10,10 @@ the two on random pool states) and the NumPy or torch versions each kernel's doc
 from __future__ import annotations
 
 import numpy as np
-from numba import njit
+from numba import njit, prange
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
+from ..index.kernels.shared import exp_near
 from ..prefetch import prefetch_row
 
 
@@ -157,14 +158,6 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _dot_scaled(q, key, step):
-    acc = np.float32(0.0)
-    for c in range(q.shape[0]):
-        acc += q[c] * np.float32(key[c])
-    return acc * step
-
-
-@njit(nogil=True, cache=True)
 def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scale):
     """A token choice for one KV head (``index_pick``; ``icecache bench index --pick``'s
     ``ice_pickM``): the ``take`` members of the tree's ``pages`` with the largest group weight
@@ -172,7 +165,12 @@ def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scal
     candidate order; all candidates when they fit. ``keys``, ``steps``: the keys the tree's walk
     scores (``DCITree.walk_keys``: with ``quantized`` its int8 copy, a member's key ``keys[p, s]
     * steps[p, s]``; else its float keys in the first ``d`` columns), which the walk has just
-    read for these pages. Reference: :func:`icecache.cache.selectors.dci.pick_tokens`."""
+    read for these pages.
+
+    In float32, the exponentials by :func:`~icecache.index.kernels.shared.exp_near` (a score
+    more than 16 below its query's best weighs 0): a weight is within about 1e-5 of its float64
+    value, so only candidates that near the cut can differ from the reference,
+    :func:`icecache.cache.selectors.dci.pick_tokens` (tests/test_ice_cache.py)."""
     G, d = queries.shape
     n = 0
     for i in range(pages.shape[0]):
@@ -186,26 +184,35 @@ def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scal
             j += 1
     if n <= take:
         return rows
-    score = np.empty((G, n), np.float32)
+    score = np.empty((G, n), np.float32)  # a query's scores contiguous, for the exponentials
+    kx = np.empty(d, np.float32)
     j = 0
-    for i in range(pages.shape[0]):  # each candidate's key read once, for the whole group
+    for i in range(pages.shape[0]):  # each candidate's key widened once, for the whole group
         p = pages[i]
         for s in range(count[p]):
-            key = keys[p, s, :d]
-            step = steps[p, s] * scale if quantized else np.float32(scale)
+            for c in range(d):
+                kx[c] = np.float32(keys[p, s, c])
+            step = steps[p, s] * np.float32(scale) if quantized else np.float32(scale)
             for g in range(G):
-                score[g, j] = _dot_scaled(queries[g], key, step)
+                acc = np.float32(0.0)
+                for c in range(d):
+                    acc += queries[g, c] * kx[c]
+                score[g, j] = acc * step
             j += 1
-    weight = np.zeros(n, np.float64)
-    e = np.empty(n, np.float64)
+    weight = np.zeros(n, np.float32)
+    e = np.empty(n, np.float32)
     for g in range(G):
-        best = score[g].max()
-        total = 0.0
+        row = score[g]
+        best = row.max()
         for j in range(n):
-            e[j] = np.exp(np.float64(score[g, j]) - best)
+            row[j] -= best
+        exp_near(row, e)
+        total = np.float32(0.0)
+        for j in range(n):
             total += e[j]
+        inv = np.float32(1.0) / total
         for j in range(n):
-            weight[j] += e[j] / total
+            weight[j] += e[j] * inv
     thr = np.partition(weight, n - take)[n - take]  # the take-th largest weight
     above = 0
     for j in range(n):
@@ -223,17 +230,18 @@ def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scal
     return out
 
 
-@njit(nogil=True, cache=True)
+@njit(parallel=True, cache=True)
 def pick_layer(keys, steps, quantized, members, count, candidates, n_candidates, queries, take, scale, chosen,
                filled, versions, out, n_out):
-    """A decode step's token picks (``index_pick``) for every KV head of a layer in one call:
-    per head h, :func:`pick_rows` over its tree's pages (``members[h]``, ``count[h]``) and
-    its first ``n_candidates[h]`` ``candidates[h]`` pages for its group's ``queries[h]`` (the
-    walk's keys ``keys[h]``, ``steps[h]``, ``quantized`` as :func:`pick_rows`), then
-    :func:`choose_tokens` into its token pages (``chosen[h]``, ``filled[h]``, ``versions[h]``,
-    updated in place); the ids of the pages holding tokens go to ``out[h, :n_out[h]]``.
-    Reference: per head :func:`~.selectors.dci.pick_tokens` and ``TokenPages.choose_reference``."""
-    for h in range(len(keys)):
+    """A decode step's token picks (``index_pick``) for every KV head of a layer in one call,
+    the heads in parallel (numba's threads): per head h, :func:`pick_rows` over its tree's pages
+    (``members[h]``, ``count[h]``) and its first ``n_candidates[h]`` ``candidates[h]`` pages for
+    its group's ``queries[h]`` (the walk's keys ``keys[h]``, ``steps[h]``, ``quantized`` as
+    :func:`pick_rows`), then :func:`choose_tokens` into its token pages (``chosen[h]``,
+    ``filled[h]``, ``versions[h]``, updated in place); the ids of the pages holding tokens go to
+    ``out[h, :n_out[h]]``. Reference: per head :func:`pick_rows` and
+    ``TokenPages.choose_reference`` (``DCISelector.pick_reference``)."""
+    for h in prange(len(keys)):
         rows = pick_rows(keys[h], steps[h], quantized, members[h], count[h], candidates[h, : n_candidates[h]], queries[h],
                          take, scale)
         got = choose_tokens(chosen[h], filled[h], versions[h], rows)

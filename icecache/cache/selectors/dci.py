@@ -185,11 +185,11 @@ class DCISelector(HeadIndexes):
         return [out[h, : n_out[h]] for h in range(H)]
 
     def pick_reference(self, queries: np.ndarray, ranked: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
-        """:meth:`pick`'s per-head NumPy path (:func:`pick_tokens`, ``TokenPages.choose_reference``),
-        on the same state (picks of ``max_pages`` already made), which the tests hold the one
-        numba call to."""
+        """:meth:`pick` a KV head at a time (:func:`picked`, which the tests hold to the NumPy
+        :func:`pick_tokens`, then ``TokenPages.choose_reference``), on the same state (picks of
+        ``max_pages`` already made), which the tests hold the one numba call to."""
         take, want = max_pages * self.spec.page_size, max_pages * self.settings.index_pick
-        return [tokens.choose_reference(pick_tokens(tree, queries[h], ranked[h][:want], take))
+        return [tokens.choose_reference(picked(tree, queries[h], ranked[h][:want], take))
                 for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
 
     def new_picks(self, picks: list[TokenPages]) -> None:
@@ -266,7 +266,8 @@ def picked(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> 
 
 
 def pick_tokens(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
-    """NumPy reference of :func:`picked` (the same contract, tested equal)."""
+    """NumPy reference of :func:`picked` (the same contract, in float64; the tests allow the two
+    to differ only in candidates whose weights lie within float32 rounding of the cut)."""
     rows = page_members(tree, pages)
     if len(rows) <= take:
         return rows
