@@ -52,21 +52,17 @@ def _compile_trees(head_dim: int, group: int, kv_heads, walk_keys: str) -> None:
 
 
 def _compile_picks(trees, queries, kv_heads) -> None:
-    """``index_pick``'s one call per layer (:func:`~icecache.cache.kernels.pick_layer`), per KV
-    head count like the walk."""
-    from .cache.kernels import pick_layer
+    """``index_pick``'s packing of a layer's picks (:func:`~icecache.cache.kernels.choose_layer`),
+    per KV head count like the walk (its pick is the walk's own call, compiled above)."""
+    from .cache.kernels import choose_layer
     from .cache.selectors.tokens import TokenPages
 
     S, P = trees[0].cfg.page_size, 2
     for h in kv_heads:
         picks = [TokenPages(S, P) for _ in range(h)]
-        walk = [t.walk_keys() for t in trees[:h]]
-        pick_layer(tuple(w[0] for w in walk), tuple(w[1] for w in walk), walk[0][0].dtype == np.int8,
-                   tuple(t.members for t in trees[:h]),
-                   tuple(t.count for t in trees[:h]), np.tile(np.arange(4, dtype=np.int64), (h, 1)),
-                   np.full(h, 4, np.int64), queries[:h], P * S, 0.125, tuple(t.members for t in picks),
-                   tuple(t.count for t in picks), tuple(t.version for t in picks), np.empty((h, P), np.int32),
-                   np.zeros(h, np.int64))
+        choose_layer(tuple(t.members for t in picks), tuple(t.count for t in picks), tuple(t.version for t in picks),
+                     np.tile(np.arange(P * S, dtype=np.int32), (h, 1)), np.full(h, P * S, np.int64),
+                     np.empty((h, P), np.int32), np.zeros(h, np.int64))
 
 
 def compile_loads(kv_heads=KV_HEADS) -> None:

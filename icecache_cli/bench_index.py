@@ -44,9 +44,6 @@ def index(
     walk_keys: Annotated[str | None, typer.Option("--walk-keys", help="The keys a decode step's walk scores: "
                                                   "float32, int8, or both comma-separated (same keys). Default: "
                                                   "the cpu profile's index_walk_keys.", show_default=False)] = None,
-    pick: Annotated[str, typer.Option("--pick", help="Token-pick multiples measured beside the pages "
-                                      "(ice_pickM: the budget's best tokens among M x the budget in "
-                                      "pages), comma-separated; 0: none.")] = "4",
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -83,8 +80,6 @@ def index(
         for w in walks:
             if w not in WALK_KEYS:
                 raise UsageError(f"--walk-keys: '{w}' is not one of {', '.join(WALK_KEYS)}")
-        picks = tuple(m for m in parse_whole_numbers(pick, "--pick", lambda m: m == 0 or 2 <= m <= 16,
-                                                     "0 or from 2 to 16") if m)
         beams = parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None else None
         loaded = load_model(model, settings, log=rep.info)
         if beams is None:  # the profile's, as a decode step of this model would walk
@@ -108,7 +103,7 @@ def index(
                     rep.info(f"measuring layer {layer} (beam {cfg.beam}, beam_frac {cfg.beam_frac:g}, {cfg.pages} "
                              f"pages, {cfg.merge} merge, refine {cfg.refine}, {cfg.walk_keys} walk keys)")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
-                              settings.sink_pages, settings.window_pages, cfg, picks)
+                              settings.sink_pages, settings.window_pages, cfg)
                 summary = res.summary()
                 summary["config"] = dataclasses.asdict(cfg)
                 summary["layers"] = layer_ids

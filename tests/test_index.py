@@ -184,6 +184,25 @@ def test_topk_kernel_matches_argsort():
             np.testing.assert_array_equal(got, np.argsort(-s, kind="stable")[:k])
 
 
+def test_kth_largest_and_top_rows_match_sorting():
+    """``kth_largest`` (bit histograms) is exactly the sorted weights' k-th largest, and
+    ``top_rows`` the ids of ``top_tokens``' choice (ties at the cut: the earliest rows), on
+    zeros, ties, tiny and huge weights; every k."""
+    from icecache.cache.selectors.tokens import top_tokens
+
+    rng = np.random.default_rng(5)
+    cases = [rng.exponential(size=n).astype(np.float32) for n in (1, 2, 7, 300)]
+    cases += [np.float32([0.0, 1e-38, 1e-45, 3e38, 1.0, 1.0, 0.0, 2.5e-20] * 9),
+              np.round(rng.exponential(size=500) * 3).astype(np.float32) / 3,  # many ties
+              np.zeros(40, np.float32), (rng.exponential(size=3500) ** 6).astype(np.float32)]
+    for w in cases:
+        ids = rng.permutation(10 * len(w))[: len(w)].astype(np.int32)
+        for k in sorted({1, min(2, len(w)), len(w) // 3 + 1, len(w) // 2 + 1, len(w)}):
+            assert kernels.kth_largest(w, k) == np.sort(w)[-k]
+            np.testing.assert_array_equal(kernels.top_rows(w, ids, k), ids[top_tokens(w.astype(np.float64), k)])
+        np.testing.assert_array_equal(kernels.top_rows(w, ids, len(w) + 3), ids)
+
+
 def test_ranked_pages_kernel_matches_reference():
     rng = np.random.default_rng(1)
     tok_page = rng.integers(0, 30, 500).astype(np.int32)
@@ -383,9 +402,9 @@ def test_group_walk_scratch_grows_and_is_shared_by_trees(monkeypatch):
 
 
 def test_select_layer_equals_per_tree_selection(monkeypatch):
-    """A layer's heads walked in parallel by one numba call pick what each tree picks alone,
-    call after call, also when a head's scratch is too short (it is redone alone) and when the
-    trees are of different sizes."""
+    """A layer's heads walked in parallel by one numba call pick what each tree picks alone
+    (pages, and the token picks of ``pick_layer``), call after call, also when a head's scratch
+    is too short (it is redone alone) and when the trees are of different sizes."""
     from icecache.index import walk as walk_mod
 
     trees = []
@@ -399,12 +418,21 @@ def test_select_layer_equals_per_tree_selection(monkeypatch):
         for _ in range(2):
             got = walk_mod.select_layer(trees, queries, pages * 8, pages)
             assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        picked = [t.pick_group(queries[h], pages * 5, pages) for h, t in enumerate(trees)]
+        got_pages, got_tokens = walk_mod.pick_layer(trees, queries, pages * 5, pages)
+        assert [g.tolist() for g in got_pages] == [w.tolist() for w in want] == [p.tolist() for p, _ in picked]
+        assert [g.tolist() for g in got_tokens] == [k.tolist() for _, k in picked]
+        assert all(len(k) == pages * 5 for k in got_tokens)
     walk_mod._scratch.arrays = {}  # small scratch: the parallel walks overflow and are redone
     monkeypatch.setattr(walk_mod, "WALK_ROWS", 4)
     monkeypatch.setattr(walk_mod, "WALK_ROWS_PER_BEAM", 1)
     got = walk_mod.select_layer(trees, queries, 48, 6)
     want = [t.select_group(queries[h], 48, 6) for h, t in enumerate(trees)]
     assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    pages, tokens = walk_mod.pick_layer(trees, queries, 40, 6)  # and the token picks, redone alone
+    want = [t.pick_group(queries[h], 40, 6) for h, t in enumerate(trees)]
+    assert [(p.tolist(), k.tolist()) for p, k in zip(pages, tokens, strict=True)] == [
+        (p.tolist(), k.tolist()) for p, k in want]
 
 
 def test_balanced_groups_recover_separated_blobs_within_capacity():

@@ -32,13 +32,13 @@ def test_small_run_on_real_keys(loaded):
     assert cap.keys[2].shape == (3, 512, 64) and cap.queries[10].shape == (9, 3, 64)
     res = IndexBenchResult(keys=512, budgets=[64, 128])
     for layer in cap.layers:
-        run_layer(res, cap.keys[layer], cap.queries[layer], 16, 2, 2, IndexConfig(ratio_bottom=0.1), (4,))
+        run_layer(res, cap.keys[layer], cap.queries[layer], 16, 2, 2, IndexConfig(ratio_bottom=0.1))
     for budget in (64, 128):
         t = {m: np.array(v) for m, v in res.mass[budget].items()}
         # the budget's tokens by the group's summed weight over every key hold the most a
         # shared selection can (on the group's average): token picks and merged pages included
-        assert len(t["ice_pick4"]) == len(t["exact_gqa"]) == len(t["ice"])
-        assert t["exact_gqa"].mean() >= max(t["ice_pick4"].mean(), t["ice_gqa"].mean()) - 1e-9
+        assert len(t["ice_pick"]) == len(t["exact_gqa"]) == len(t["ice"])
+        assert t["exact_gqa"].mean() >= max(t["ice_pick"].mean(), t["ice_gqa"].mean()) - 1e-9
         assert ((t["sink_window"] > 0) & (t["ice"] <= 1 + 1e-6)).all()
         assert (t["ice"] >= t["sink_window"] - 1e-9).all()
         # No selection of at most `budget` tokens beats the exact top tokens of that head.
@@ -120,7 +120,7 @@ def test_index_command_measures_each_beam_on_the_same_keys():
     from .conftest import run_cli
 
     args = ["bench", "index", "--keys", "512", "--layers", "2,10", "--queries", "2", "--budgets", "64",
-            "--pick", "0", "--json"]
+            "--json"]
     r = run_cli([*args, "--beam", "8,16"])
     assert r.returncode == 0, r.stderr.decode()
     docs = [json.loads(x) for x in r.stdout.decode().strip().splitlines()]

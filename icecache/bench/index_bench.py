@@ -27,11 +27,12 @@ from .warm import warm_tree
 # merged as the cache merges). The yardsticks are skipped above ``GROUPINGS_MAX`` keys (k-means
 # costs keys x clusters per iteration). ``oracle_gqa``: the tree's pages of largest exact
 # attention mass summed over the group's queries, one budget per KV head: the most any GQA merge
-# of these pages can hold (the ceiling of ``ice_gqa``). ``ice_pickM``: a token-level choice, the
-# budget's best tokens (by the group's summed softmax weights) among M x the budget in merged
-# pages; ``exact_gqa``: the same rule over every key (its ceiling).
+# of these pages can hold (the ceiling of ``ice_gqa``). ``ice_pick``: the cache's token choice
+# (``index_pick``), the budget's tokens of largest estimated group weight (the group's summed
+# softmax weights) among every key the walk scored; ``exact_gqa``: the same rule over every key
+# with exact scores (its ceiling).
 METHODS = ("ice", "oracle_pages", "kmeans_pages", "parent_pages", "exact_topk", "quest", "sink_window",
-           "ice_gqa", "oracle_gqa", "kmeans_gqa", "exact_gqa")
+           "ice_gqa", "ice_pick", "oracle_gqa", "kmeans_gqa", "exact_gqa")
 GROUPINGS_MAX = 40_000
 
 
@@ -93,11 +94,8 @@ def _mass(p: np.ndarray, fixed: np.ndarray, chosen: np.ndarray) -> float:
 
 
 def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page_size: int,
-              sink_pages: int, window_pages: int, cfg: IndexConfig, picks: tuple[int, ...] = ()) -> None:
-    """keys (kv_heads, n, d), queries (heads, steps, d) of one layer; ``picks``: the
-    multiples M of the token picks measured beside the pages (``ice_pickM``)."""
-    from icecache.cache.selectors.dci import picked
-
+              sink_pages: int, window_pages: int, cfg: IndexConfig) -> None:
+    """keys (kv_heads, n, d), queries (heads, steps, d) of one layer."""
     kv_heads, n, d = keys.shape
     heads, steps, _ = queries.shape
     group = heads // kv_heads
@@ -158,11 +156,7 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
             for budget in res.budgets:
                 P = budget // page_size
                 table = res.mass.setdefault(budget, {m: [] for m in METHODS})
-                by_pick = {}
-                for m in picks:
-                    rows = picked(tree, qs, tree.select_group(qs, m * budget, m * P), budget)
-                    by_pick[f"ice_pick{m}"] = mid[rows]
-                    table.setdefault(f"ice_pick{m}", [])
+                pick_tok = mid[tree.pick_group(qs, budget, P)[1]]
                 group_w = sum(p[mid] for p in probs)
                 exact_gqa_tok = mid[np.argsort(-group_w, kind="stable")[:budget]]
                 ice = [tree_pages(ids[r], page_of, P) for r in range(len(qs))]
@@ -191,10 +185,9 @@ def run_layer(res: IndexBenchResult, keys: np.ndarray, queries: np.ndarray, page
                     table["exact_topk"].append(_mass(p, fixed, mid[np.argsort(-exact_scores[r])[:budget]]))
                     table["sink_window"].append(_mass(p, fixed, mid[:0]))
                     table["ice_gqa"].append(_mass(p, fixed, gqa_tok))
+                    table["ice_pick"].append(_mass(p, fixed, pick_tok))
                     table["oracle_gqa"].append(_mass(p, fixed, oracle_gqa_tok))
                     table["exact_gqa"].append(_mass(p, fixed, exact_gqa_tok))
-                    for name, tok in by_pick.items():
-                        table[name].append(_mass(p, fixed, tok))
                     for name, g in groupings.items():
                         table[name].append(_mass(p, fixed, mid[np.isin(g, chosen[name][r])]))
                     if "kmeans_pages" in chosen:

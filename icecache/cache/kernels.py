@@ -1,7 +1,6 @@
 """numba kernels of the caches: plan one KV head's page loads for a decode step (and the whole
-load in one call); a token choice (``icecache bench index``'s picks) and the packing of chosen
-tokens into pages; the remapped positions' offsets and key placement. A decode step's scores over
-a long dense run of keys are in :mod:`.score_kernels`.
+load in one call); the packing of chosen tokens into pages; the remapped positions' offsets and
+key placement. A decode step's scores over a long dense run of keys are in :mod:`.score_kernels`.
 
 The plain references are :func:`plan_head_reference` (NumPy, the same contract; the tests compare
 the two on random pool states) and the NumPy or torch versions each kernel's docstring names.
@@ -13,7 +12,6 @@ import numpy as np
 from numba import njit, prange
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
-from ..index.kernels.shared import exp_near
 from ..prefetch import prefetch_row
 
 
@@ -157,94 +155,15 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
     return copied, loaded
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def pick_rows(keys, steps, quantized, members, count, pages, queries, take, scale):
-    """A token choice for one KV head (``index_pick``; ``icecache bench index --pick``'s
-    ``ice_pickM``): the ``take`` members of the tree's ``pages`` with the largest group weight
-    (each query's softmax over the candidates, summed over the group's ``queries`` (G, d)), in
-    candidate order; all candidates when they fit. ``keys``, ``steps``: the keys the tree's walk
-    scores (``DCITree.walk_keys``: with ``quantized`` its int8 copy, a member's key ``keys[p, s]
-    * steps[p, s]``; else its float keys in the first ``d`` columns), which the walk has just
-    read for these pages.
-
-    In float32, the exponentials by :func:`~icecache.index.kernels.shared.exp_near` (a score
-    more than 16 below its query's best weighs 0): a weight is within about 1e-5 of its float64
-    value, so only candidates that near the cut can differ from the reference,
-    :func:`icecache.cache.selectors.dci.pick_tokens` (tests/test_ice_cache.py)."""
-    G, d = queries.shape
-    n = 0
-    for i in range(pages.shape[0]):
-        n += count[pages[i]]
-    rows = np.empty(n, np.int32)
-    j = 0
-    for i in range(pages.shape[0]):
-        p = pages[i]
-        for s in range(count[p]):
-            rows[j] = members[p, s]
-            j += 1
-    if n <= take:
-        return rows
-    score = np.empty((G, n), np.float32)  # a query's scores contiguous, for the exponentials
-    kx = np.empty(d, np.float32)
-    j = 0
-    for i in range(pages.shape[0]):  # each candidate's key widened once, for the whole group
-        p = pages[i]
-        for s in range(count[p]):
-            for c in range(d):
-                kx[c] = np.float32(keys[p, s, c])
-            step = steps[p, s] * np.float32(scale) if quantized else np.float32(scale)
-            for g in range(G):
-                acc = np.float32(0.0)
-                for c in range(d):
-                    acc += queries[g, c] * kx[c]
-                score[g, j] = acc * step
-            j += 1
-    weight = np.zeros(n, np.float32)
-    e = np.empty(n, np.float32)
-    for g in range(G):
-        row = score[g]
-        best = row.max()
-        for j in range(n):
-            row[j] -= best
-        exp_near(row, e)
-        total = np.float32(0.0)
-        for j in range(n):
-            total += e[j]
-        inv = np.float32(1.0) / total
-        for j in range(n):
-            weight[j] += e[j] * inv
-    thr = np.partition(weight, n - take)[n - take]  # the take-th largest weight
-    above = 0
-    for j in range(n):
-        if weight[j] > thr:
-            above += 1
-    ties = take - above  # of the weights equal to it, the earliest candidates
-    out = np.empty(take, np.int32)
-    c = 0
-    for j in range(n):
-        if weight[j] > thr or (weight[j] == thr and ties > 0):
-            if weight[j] == thr:
-                ties -= 1
-            out[c] = rows[j]
-            c += 1
-    return out
-
-
 @njit(parallel=True, cache=True)
-def pick_layer(keys, steps, quantized, members, count, candidates, n_candidates, queries, take, scale, chosen,
-               filled, versions, out, n_out):
-    """A decode step's token picks (``index_pick``) for every KV head of a layer in one call,
-    the heads in parallel (numba's threads): per head h, :func:`pick_rows` over its tree's pages
-    (``members[h]``, ``count[h]``) and its first ``n_candidates[h]`` ``candidates[h]`` pages for
-    its group's ``queries[h]`` (the walk's keys ``keys[h]``, ``steps[h]``, ``quantized`` as
-    :func:`pick_rows`), then :func:`choose_tokens` into its token pages (``chosen[h]``,
-    ``filled[h]``, ``versions[h]``, updated in place); the ids of the pages holding tokens go to
-    ``out[h, :n_out[h]]``. Reference: per head :func:`pick_rows` and
-    ``TokenPages.choose_reference`` (``DCISelector.pick_reference``)."""
-    for h in prange(len(keys)):
-        rows = pick_rows(keys[h], steps[h], quantized, members[h], count[h], candidates[h, : n_candidates[h]], queries[h],
-                         take, scale)
-        got = choose_tokens(chosen[h], filled[h], versions[h], rows)
+def choose_layer(chosen, filled, versions, tokens, n_tokens, out, n_out):
+    """A step's token picks (``index_pick``) packed for every KV head of a layer in one call:
+    per head h, :func:`choose_tokens` of its first ``n_tokens[h]`` ``tokens[h]`` into its token
+    pages (``chosen[h]``, ``filled[h]``, ``versions[h]``, updated in place); the ids of the
+    pages holding tokens go to ``out[h, :n_out[h]]``, the heads in parallel (numba's threads).
+    Reference: ``TokenPages.choose_reference`` per head (``DCISelector.choose_reference``)."""
+    for h in prange(len(chosen)):
+        got = choose_tokens(chosen[h], filled[h], versions[h], tokens[h, : n_tokens[h]])
         out[h, : got.shape[0]] = got
         n_out[h] = got.shape[0]
 

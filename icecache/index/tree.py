@@ -407,14 +407,46 @@ class DCITree:
         if len(extra) and (not self.cfg.shared_walk or k < max_pages * self.cfg.page_size):
             raise ValueError("extra pages need the shared walk's page path")
         if self.cfg.shared_walk:
-            return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: kernels.select_group_shared(
-                queries, k, max_pages, beam, *self.walk_keys(), self.top_level, self.first_page,
-                self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
-                spg, ssc, extra, len(extra), self.owner, *self.merge_args()), beam + len(extra))
+            return self._shared_group(queries, k, max_pages, beam, extra, 0)[0]
         return kernels.select_group(
             queries, k, max_pages, self.u, self.top_level, beam, self.cfg.visit_frac,
             self.PX, self.level, self.first_page, self.next_page, self.members, self.count,
             self.lo, self.hi, self.node_size, self.tok_page, self._sid, self._ssc)
+
+    def pick_group(self, queries: np.ndarray, take: int, max_pages: int, wide: float = 0.0,
+                   extra: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """A GQA group's token pick (``index_pick``): its merged pages as :meth:`select_group`
+        ranks them (at most ``max_pages``, ``k`` = their tokens), and the ids of the ``take``
+        points the shared walk scored (``extra`` pages included) with the most of the group's
+        estimated attention: each query's softmax over the scanned points' scores (the keys the
+        walk reads, :meth:`walk_keys`), summed over the group; in scan order. The reference is
+        ``icecache.cache.selectors.dci.pick_tokens`` on the same scanned points."""
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if self.n == 0:
+            return np.empty(0, np.int32), np.empty(0, np.int32)
+        if not self.cfg.shared_walk:
+            raise ValueError("token picks need the shared walk")
+        beam = self.beam_for(wide)
+        extra = NO_PAGES if extra is None else np.ascontiguousarray(extra, dtype=np.int32)
+        return self._shared_group(queries, max_pages * self.cfg.page_size, max_pages, beam, extra, take)
+
+    def _shared_group(self, queries, k, max_pages, beam, extra, take):
+        """(pages, tokens) of the shared-walk kernel (:func:`~.kernels.select_group_shared`)."""
+        pages, tokens = self._walk(queries.shape[0], lambda mark, sid, spg, ssc: _pair(kernels.select_group_shared(
+            queries, k, max_pages, beam, *self.walk_keys(), self.top_level, self.first_page,
+            self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
+            spg, ssc, extra, len(extra), self.owner, *self.merge_args(), take)), beam + len(extra))
+        return pages, tokens
+
+    def scanned(self, queries: np.ndarray, wide: float = 0.0, extra: np.ndarray | None = None) -> np.ndarray:
+        """The ids of the points a shared group walk with these arguments scores (``extra``
+        pages included), in scan order: what :meth:`pick_group` chooses among (its reference)."""
+        queries = np.ascontiguousarray(np.atleast_2d(queries), dtype=np.float32)
+        if self.n == 0:
+            return np.empty(0, np.int32)
+        extra = NO_PAGES if extra is None else np.ascontiguousarray(extra, dtype=np.int32)
+        # every scanned point fits a take of n: all of them, in scan order
+        return self._shared_group(queries, self.cfg.page_size, 1, self.beam_for(wide), extra, self.n)[1]
 
     def merge_args(self) -> tuple[int, float]:
         """(merge rule's code, softmax scale) of the group merge for the shared-walk kernels."""
@@ -431,3 +463,9 @@ class DCITree:
     def nbytes(self) -> int:
         names = self.POINT_ARRAYS + self.PAGE_ARRAYS
         return int(sum(getattr(self, name).nbytes for name in names))
+
+
+def _pair(result):
+    """A shared-walk kernel's (pages, tokens, ok) as :meth:`DCITree._walk` takes it."""
+    pages, tokens, ok = result
+    return (pages, tokens), ok

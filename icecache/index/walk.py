@@ -52,10 +52,26 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
     queries: (H, G, d). On this 2-core CPU a decode step's index queries are memory bound (a
     core streams pages at about 8.5 GB/s), so the second core cuts their time by a third.
     """
+    return _layer(trees, queries, k, max_pages, wide, extra, 0)[0]
+
+
+def pick_layer(trees: list, queries: np.ndarray, take: int, max_pages: int, wide: float = 0.0,
+               extra: list[np.ndarray] | None = None) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """``trees[h].pick_group(queries[h], take, max_pages, wide, extra[h])`` for every KV head h of
+    a layer in the one parallel call of :func:`select_layer`: per head its ranked pages (at most
+    ``max_pages``) and the ``take`` tokens its walk scanned with the most of the group's
+    estimated attention."""
+    return _layer(trees, queries, max_pages * trees[0].cfg.page_size, max_pages, wide, extra, take)
+
+
+def _layer(trees, queries, k, max_pages, wide, extra, take):
     H = len(trees)
     extra = extra if extra is not None else [None] * H
     if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
-        return [t.select_group(queries[h], k, max_pages, wide, extra[h]) for h, t in enumerate(trees)]
+        if take:
+            got = [t.pick_group(queries[h], take, max_pages, wide, extra[h]) for h, t in enumerate(trees)]
+            return [g[0] for g in got], [g[1] for g in got]
+        return [t.select_group(queries[h], k, max_pages, wide, extra[h]) for h, t in enumerate(trees)], []
     if any(e is not None and len(e) for e in extra) and k < max_pages * trees[0].cfg.page_size:
         raise ValueError("extra pages need the shared walk's page path")
     n_extra = np.array([0 if e is None else len(e) for e in extra], np.int64)
@@ -68,6 +84,8 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
     out = np.empty((H, max_pages), np.int32)
     lens = np.zeros(H, np.int64)
     ok = np.zeros(H, np.bool_)
+    tok_out = np.empty((H, max(1, take)), np.int32)
+    tok_lens = np.zeros(H, np.int64)
     scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h] + n_extra[h]), g), slot=h)
                for h, t in enumerate(trees)]
     keys = [t.walk_keys() for t in trees]
@@ -78,6 +96,16 @@ def select_layer(trees: list, queries: np.ndarray, k: int, max_pages: int,
         tuple(t.count for t in trees), tuple(t.node_size for t in trees),
         tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
         tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, extras, n_extra,
-        tuple(t.owner for t in trees), *trees[0].merge_args())
-    return [out[h, : lens[h]].copy() if ok[h] else trees[h].select_group(queries[h], k, max_pages, wide, extra[h])
-            for h in range(H)]
+        tuple(t.owner for t in trees), *trees[0].merge_args(), take, tok_out, tok_lens)
+    pages, tokens = [], []
+    for h in range(H):  # a head whose scratch was too short walks again alone, with room to grow
+        if ok[h]:
+            pages.append(out[h, : lens[h]].copy())
+            tokens.append(tok_out[h, : tok_lens[h]].copy())
+        elif take:
+            p, t = trees[h].pick_group(queries[h], take, max_pages, wide, extra[h])
+            pages.append(p)
+            tokens.append(t)
+        else:
+            pages.append(trees[h].select_group(queries[h], k, max_pages, wide, extra[h]))
+    return pages, tokens

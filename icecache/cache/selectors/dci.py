@@ -19,8 +19,8 @@ import numpy as np
 
 from ...index import DCITree, IndexConfig
 from ...index.config import MERGES, WALK_KEYS
-from ...index.walk import select_layer
-from ..kernels import pick_layer, pick_rows
+from ...index.walk import pick_layer, select_layer
+from ..kernels import choose_layer
 from .base import HeadIndexes, register
 from .tokens import TokenPages, group_weights, top_tokens
 
@@ -53,9 +53,9 @@ class DCISettings:
     rest_estimate: bool = True
     # sparse prefill: nodes per level a chunk's search expands (0: index_beam)
     prefill_beam: int = 128
-    # a step loads the budget's tokens with the most of the group's attention among index_pick
-    # x the budget in the tree's pages, scored with the keys the walk reads (0: whole pages)
-    index_pick: int = 0
+    # a step loads the budget's tokens with the most of the group's estimated attention among
+    # every key its walk scored (false: the walk's best whole tree pages)
+    index_pick: bool = False
 
     def __post_init__(self):
         if self.index_beam < 0:
@@ -74,8 +74,6 @@ class DCISettings:
             raise ValueError("carry_pages must be a whole number from 0 (off) to 1024")
         if self.prefill_beam < 0:
             raise ValueError("prefill_beam must be 0 (the index_beam) or more")
-        if not 0 <= self.index_pick <= 16:
-            raise ValueError("index_pick must be a whole number from 0 (whole pages) to 16")
 
 
 # ``index_beam: 0`` (auto): 32 nodes per level where a decode step walks the keys of 28 sparse
@@ -138,10 +136,7 @@ class DCISelector(HeadIndexes):
         return DCITree(self.head_dim, self.tree, capacity=capacity)
 
     def select(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
-        want = max_pages * max(1, self.settings.index_pick)
-        ranked = self.select_pages(queries, max(want, self.settings.carry_pages), wide, self.carried)
-        self.carry(ranked, max_pages)
-        return self.pick(queries, ranked, max_pages)
+        return self.choose(queries, max_pages, wide, max(max_pages, self.settings.carry_pages), self.carried)
 
     def select_prefill(self, queries: np.ndarray, max_pages: int, wide: float = 0.0) -> list[np.ndarray]:
         """A sparse prefill's choice (a chunk, or one of the prompt's last steps): the tree's
@@ -150,46 +145,47 @@ class DCISelector(HeadIndexes):
         n = max((tree.n for tree in self.indexes), default=0)
         if self.settings.prefill_beam and n:  # nodes per level, as a share of the keys
             wide = max(wide, self.settings.prefill_beam / n)
-        ranked = self.select_pages(queries, max_pages * max(1, self.settings.index_pick), wide)
-        self.carry(ranked, max_pages)
-        return self.pick(queries, ranked, max_pages)
+        return self.choose(queries, max_pages, wide, max_pages)
 
-    def pick(self, queries: np.ndarray, ranked: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
-        """The pages a step loads from each KV head's ``ranked`` tree pages: the first
-        ``max_pages``; with ``index_pick`` M, pages of :attr:`picks` holding the ``max_pages`` x
-        page_size tokens of largest group weight among the first M x ``max_pages`` (:func:`picked`'s
-        choice), every KV head in one numba call (:func:`~..kernels.pick_layer`; reference
-        :meth:`pick_reference`)."""
-        M = self.settings.index_pick
-        if not M:
+    def choose(self, queries: np.ndarray, max_pages: int, wide: float, ranked_pages: int,
+               extra: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """The pages a step loads: the first ``max_pages`` of each KV head's ranked tree pages
+        (``ranked_pages`` of them ranked, :meth:`carry` keeps them); with ``index_pick``, pages of
+        :attr:`picks` holding the ``max_pages`` x page_size tokens with the most of the group's
+        estimated attention among every key the walk scored (``DCITree.pick_group``), packed
+        into the pool's pages by one numba call (:func:`~..kernels.choose_layer`)."""
+        if not self.settings.index_pick:
+            ranked = self.select_pages(queries, ranked_pages, wide, extra)
+            self.carry(ranked, max_pages)
             return [p[:max_pages] for p in ranked]
-        candidates = [p[: M * max_pages] for p in ranked]
+        ranked, tokens = pick_layer(self.indexes, queries, max_pages * self.spec.page_size, ranked_pages, wide,
+                                    extra)
+        self.carry(ranked, max_pages)
         if not self.picks or self.picks[0].npages != max_pages:
             # the pool's pages change size (a sparse prefill's chunks, its prompt end, the decode
             # budget)
             self.new_picks([TokenPages(self.spec.page_size, max_pages) for _ in self.indexes])
         H = len(self.indexes)
-        n = np.array([len(c) for c in candidates], np.int64)
-        cand = np.zeros((H, max(1, int(n.max(initial=0)))), np.int64)
-        for h, c in enumerate(candidates):
-            cand[h, : n[h]] = c
+        n = np.array([len(t) for t in tokens], np.int64)
+        chosen = np.zeros((H, max(1, int(n.max(initial=0)))), np.int32)
+        for h, t in enumerate(tokens):
+            chosen[h, : n[h]] = t
         out = np.empty((H, max_pages), np.int32)
         n_out = np.zeros(H, np.int64)
-        trees, picks = self.indexes, self.picks
-        walk = [t.walk_keys() for t in trees]
-        pick_layer(tuple(w[0] for w in walk), tuple(w[1] for w in walk), walk[0][0].dtype == np.int8,
-                   tuple(t.members for t in trees), tuple(t.count for t in trees), cand, n,
-                   np.ascontiguousarray(queries, np.float32), max_pages * self.spec.page_size,
-                   float(self.head_dim) ** -0.5, tuple(t.members for t in picks), tuple(t.count for t in picks),
-                   tuple(t.version for t in picks), out, n_out)
+        picks = self.picks
+        choose_layer(tuple(t.members for t in picks), tuple(t.count for t in picks),
+                     tuple(t.version for t in picks), chosen, n, out, n_out)
         return [out[h, : n_out[h]] for h in range(H)]
 
-    def pick_reference(self, queries: np.ndarray, ranked: list[np.ndarray], max_pages: int) -> list[np.ndarray]:
-        """:meth:`pick` a KV head at a time (:func:`picked`, which the tests hold to the NumPy
-        :func:`pick_tokens`, then ``TokenPages.choose_reference``), on the same state (picks of
-        ``max_pages`` already made), which the tests hold the one numba call to."""
-        take, want = max_pages * self.spec.page_size, max_pages * self.settings.index_pick
-        return [tokens.choose_reference(picked(tree, queries[h], ranked[h][:want], take))
+    def choose_reference(self, queries: np.ndarray, max_pages: int, wide: float = 0.0,
+                         extra: list[np.ndarray] | None = None) -> list[np.ndarray]:
+        """:meth:`choose` with ``index_pick``, a KV head at a time from the same state (picks of
+        ``max_pages`` already made): the points each tree's walk scans (``DCITree.scanned``),
+        the NumPy :func:`pick_tokens` among them, then ``TokenPages.choose_reference``; the tests
+        hold the one call to it."""
+        take = max_pages * self.spec.page_size
+        extra = extra if extra is not None else [None] * len(self.indexes)
+        return [tokens.choose_reference(pick_tokens(tree, queries[h], tree.scanned(queries[h], wide, extra[h]), take))
                 for h, (tree, tokens) in enumerate(zip(self.indexes, self.picks, strict=True))]
 
     def new_picks(self, picks: list[TokenPages]) -> None:
@@ -222,8 +218,8 @@ class DCISelector(HeadIndexes):
     def carry(self, pages: list[np.ndarray], max_pages: int) -> None:
         """Remember the head of ``pages`` (a search's ranked tree pages per KV head) for the next
         search: ``carry_pages`` of them, at least the ``max_pages`` the step selects (with
-        ``index_pick``, not all its candidates: each carried page is scored again by the next
-        walk)."""
+        ``index_pick``, the ranked pages too, not those of the picked tokens: each carried page
+        is scored again by the next walk, and its members can be picked there)."""
         if self.settings.carry_pages > 0:
             keep = max(self.settings.carry_pages, max_pages)
             self.carried = [p[:keep] for p in pages]
@@ -248,27 +244,13 @@ class DCISelector(HeadIndexes):
         self.new_picks([])
 
 
-def page_members(tree: DCITree, pages: np.ndarray) -> np.ndarray:
-    """The point ids (host rows) held by the tree's pages ``pages``."""
-    members = tree.members[pages]
-    return members[np.arange(members.shape[1]) < tree.count[pages][:, None]]
-
-
-def picked(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
-    """``index_pick``'s token choice for one tree (``icecache bench index --pick``'s
-    ``ice_pickM``): the ``take`` members of the tree's ``pages`` with the most of the group's
-    attention: each query's (G, d) softmax over the candidates' keys as the walk reads them
-    (``DCITree.walk_keys``), summed over the group (all when they fit), in candidate order. One
-    numba pass (:func:`~..kernels.pick_rows`)."""
-    keys, steps = tree.walk_keys()
-    return pick_rows(keys, steps, keys.dtype == np.int8, tree.members, tree.count, np.asarray(pages, np.int64),
-                     np.ascontiguousarray(queries, np.float32), take, float(tree.d) ** -0.5)
-
-
-def pick_tokens(tree: DCITree, queries: np.ndarray, pages: np.ndarray, take: int) -> np.ndarray:
-    """NumPy reference of :func:`picked` (the same contract, in float64; the tests allow the two
-    to differ only in candidates whose weights lie within float32 rounding of the cut)."""
-    rows = page_members(tree, pages)
+def pick_tokens(tree: DCITree, queries: np.ndarray, rows: np.ndarray, take: int) -> np.ndarray:
+    """NumPy reference of ``DCITree.pick_group``'s tokens among the points ``rows`` its walk
+    scanned (in scan order): the ``take`` with the most of the group's attention, each query's
+    softmax over the rows' keys as the walk reads them (``DCITree.walk_keys``: the int8 copy
+    times its steps, or the float keys), summed over the group, in float64, in scan order (the
+    tests allow the two to differ only where weights lie within float32 rounding of the cut)."""
+    rows = np.asarray(rows, np.int64)
     if len(rows) <= take:
         return rows
     walk, steps = tree.walk_keys()

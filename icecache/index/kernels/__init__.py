@@ -26,13 +26,16 @@ from .query import query_tree, search_many, select_group, topk_indices
 from .shared import (
            MERGES,
            best_pages,
+           kth_largest,
            peak_pages,
            quantize_pages,
            search_group_shared,
            select_group_shared,
            select_heads_shared,
+           top_rows,
 )
 
-__all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "insert_children", "merge_ranked", "nearest_among",
-           "parents_by_tree", "peak_pages", "quantize_pages", "query_tree", "ranked_pages", "search_group_shared", "search_many",
-           "select_group", "select_group_shared", "select_heads_shared", "topk_indices"]
+__all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "insert_children", "kth_largest",
+           "merge_ranked", "nearest_among", "parents_by_tree", "peak_pages", "quantize_pages", "query_tree", "ranked_pages",
+           "search_group_shared", "search_many", "select_group", "select_group_shared", "select_heads_shared",
+           "top_rows", "topk_indices"]

@@ -307,21 +307,15 @@ def exp_near(x, out):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
-    """The group's pages (runs of :func:`page_runs`) ranked by the attention mass its queries
-    are estimated to put on them, at most ``max_pages``.
-
-    Each query's softmax (scores x ``scale``) is taken over the rows the walk scanned (they hold
-    its largest scores), and a page's estimate is the sum over the group's queries of its
-    scanned members' weights: the pages that hold the most of the group's summed attention,
-    the figure the selection is judged by. A row more than :data:`NEGLIGIBLE` below the query's
-    best counts 0 (its weight is under 1e-13 of the best's). The scores are taken a query at a
-    time into a contiguous row, so that the exponentials (:func:`exp_near`) run vectorized:
-    22.8 against 54.7 us per group of 3 queries over 2322 scanned rows, where the rank merge
-    takes 14.1. ``scratch_scores`` is read only.
-    """
-    n = pages.shape[0]
-    kept = starts[n]
+def scanned_weights(scratch_scores, norms, scale, kept):
+    """Each of the walk's ``kept`` scanned rows' estimated share of the group's attention: per
+    query a softmax (scores x ``scale``) over the scanned rows (they hold its largest scores),
+    summed over the group's queries, so each query counts alike whatever its scores' scale. A
+    row more than :data:`NEGLIGIBLE` below the query's best counts 0 (its weight is under 1e-13
+    of the best's). The scores are taken a query at a time into a contiguous row, so that the
+    exponentials (:func:`exp_near`) run vectorized: 22.8 against 54.7 us per group of 3 queries
+    over 2322 scanned rows. ``scratch_scores`` is read only. Reference: the group weights of
+    the scanned rows' keys in float64 (``icecache.cache.selectors.tokens.group_weights``)."""
     g = scratch_scores.shape[1]
     x = np.empty((g, kept), np.float32)
     best = np.full(g, -np.inf, np.float32)
@@ -331,8 +325,7 @@ def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
             x[r, i] = v
             best[r] = max(best[r], v)
     e = np.empty(kept, np.float32)
-    page_sum = np.empty(n, np.float32)
-    mass = np.zeros(n, np.float32)
+    weight = np.zeros(kept, np.float32)
     for r in range(g):
         row = x[r]
         c = norms[r] * scale  # the walk's scores are against the query's unit vector
@@ -341,17 +334,85 @@ def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
             row[i] = row[i] * c - top
         exp_near(row, e)
         z = np.float32(0.0)
-        for j in range(n):
-            acc = np.float32(0.0)
-            for i in range(starts[j], starts[j + 1]):
-                acc += e[i]
-            page_sum[j] = acc
-            z += acc
+        for i in range(kept):
+            z += e[i]
         inv = np.float32(1.0) / z
-        for j in range(n):
-            mass[j] += page_sum[j] * inv
+        for i in range(kept):
+            weight[i] += e[i] * inv
+    return weight
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
+    """The group's pages (runs of :func:`page_runs`) ranked by the attention mass its queries
+    are estimated to put on them (the sum of their scanned members' :func:`scanned_weights`),
+    at most ``max_pages``: the pages that hold the most of the group's summed attention, the
+    figure the selection is judged by."""
+    n = pages.shape[0]
+    weight = scanned_weights(scratch_scores, norms, scale, starts[n])
+    mass = np.empty(n, np.float32)
+    for j in range(n):
+        acc = np.float32(0.0)
+        for i in range(starts[j], starts[j + 1]):
+            acc += weight[i]
+        mass[j] = acc
     order = topk_indices(mass, min(max_pages, n))
     return pages[order]
+
+
+@njit(nogil=True, cache=True)
+def kth_largest(weight, k):
+    """The ``k``-th largest of the non-negative float32 ``weight`` (1 <= k <= its length),
+    exactly: a non-negative float's bits, read as an integer, order as the float does, so three
+    histograms of 12, 11 and 8 bits find its bits from the top down (about 10 us for 3500
+    weights, where numba's ``np.partition`` takes 44). Reference: ``np.sort(weight)[-k]``."""
+    bits = weight.view(np.int32)
+    n = bits.shape[0]
+    prefix = np.int32(0)
+    mask = np.int32(0)
+    need = k
+    for shift, width in ((19, 12), (8, 11), (0, 8)):
+        nb = 1 << width
+        hist = np.zeros(nb, np.int64)
+        for i in range(n):
+            if bits[i] & mask == prefix:
+                hist[(bits[i] >> shift) & (nb - 1)] += 1
+        above = 0
+        b = nb - 1
+        while above + hist[b] < need:
+            above += hist[b]
+            b -= 1
+        need -= above
+        prefix |= np.int32(b << shift)
+        mask |= np.int32((nb - 1) << shift)
+    out = np.empty(1, np.int32)
+    out[0] = prefix
+    return out.view(np.float32)[0]
+
+
+@njit(nogil=True, cache=True)
+def top_rows(weight, ids, take):
+    """The ids of the ``take`` rows of largest non-negative ``weight`` (all when they fit), in
+    row order; of rows that tie at the cut, the earliest. Reference:
+    ``icecache.cache.selectors.tokens.top_tokens``."""
+    n = weight.shape[0]
+    if n <= take:
+        return ids[:n].copy()
+    thr = kth_largest(weight, take)
+    above = 0
+    for j in range(n):
+        if weight[j] > thr:
+            above += 1
+    ties = take - above
+    out = np.empty(take, ids.dtype)
+    c = 0
+    for j in range(n):
+        if weight[j] > thr or (weight[j] == thr and ties > 0):
+            if weight[j] == thr:
+                ties -= 1
+            out[c] = ids[j]
+            c += 1
+    return out
 
 
 @njit(nogil=True, cache=True, fastmath=True)
@@ -429,8 +490,8 @@ def _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members,
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, first_page, next_page,
                         members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
-                        scratch_scores, extra, n_extra, owner, merge=0, scale=1.0):
-    """``select_group`` with the shared walk of ``search_group_shared``.
+                        scratch_scores, extra, n_extra, owner, merge=0, scale=1.0, take=0):
+    """``select_group`` with the shared walk of ``search_group_shared``: (pages, tokens, ok).
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
     query's page list comes from its best member per page (:func:`best_pages`) instead of ranking
@@ -439,22 +500,26 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
     estimated attention mass instead (:func:`mass_pages`, softmax scale ``scale``); 2: by the
     mass estimated from each page's best member (:func:`peak_pages`). ``extra[:n_extra]``:
     bottom-level pages (a previous step's choice) ranked with the walk's pages whether the walk
-    reached them or not (the page path only; ``owner`` is the tree's page owners). Returns
-    (pages, False) when the scratch was too short.
+    reached them or not (the page path only; ``owner`` is the tree's page owners).
+
+    ``take`` > 0 (the page path only): ``tokens`` are also the ids of the ``take`` scanned rows
+    (extra pages included) of largest :func:`scanned_weights` (softmax scale ``scale``), in scan
+    order (:func:`top_rows`); else empty. ``ok`` is False when the scratch was too short.
     """
     g = queries.shape[0]
+    none = np.empty(0, np.int32)
     if k < max_pages * keys.shape[1]:
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
         if not search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page,
                                    members, count, node_size, mark, scratch_ids, scratch_pages,
                                    scratch_scores, ids, scores):
-            return np.empty(0, np.int32), False
-        return group_pages(ids, tok_page, max_pages), True
+            return none, none, False
+        return group_pages(ids, tok_page, max_pages), none, True
     kept, norms = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count,
                                node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
-        return np.empty(0, np.int32), False
+        return none, none, False
     if n_extra > 0:
         V = np.empty((g, queries.shape[1]), np.float32)
         for r in range(g):
@@ -463,31 +528,38 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
         kept = _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members, count,
                            scratch_ids, scratch_pages, scratch_scores, kept)
         if kept < 0:
-            return np.empty(0, np.int32), False
+            return none, none, False
+    tokens = none
+    if take > 0:
+        tokens = top_rows(scanned_weights(scratch_scores, norms, scale, kept), scratch_ids[:kept], take)
     runs, starts = page_runs(scratch_pages, kept)
     if merge == 1:
-        return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
+        return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens, True
     if merge == 2:
-        return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), True
-    return ranks_pages(runs, starts, scratch_scores, max_pages), True
+        return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens, True
+    return ranks_pages(runs, starts, scratch_scores, max_pages), tokens, True
 
 
 @njit(parallel=True, cache=True)
 def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_levels, first_pages, next_pages,
                         members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
-                        lens, ok, extras, n_extras, owners, merge=0, scale=1.0):
+                        lens, ok, extras, n_extras, owners, merge, scale, take, tok_out, tok_lens):
     """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
     (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
     head's scratch come as tuples indexed by head. Writes head h's pages to
-    ``out[h, :lens[h]]``; ``ok[h]`` is False when its scratch was too short (nothing written).
-    ``extras`` (H, E) with ``n_extras`` (H,) valid: each head's ``extra`` pages."""
+    ``out[h, :lens[h]]`` and, with ``take`` > 0, its tokens to ``tok_out[h, :tok_lens[h]]``
+    (``tok_out`` (H, take)); ``ok[h]`` is False when its scratch was too short (nothing
+    written). ``extras`` (H, E) with ``n_extras`` (H,) valid: each head's ``extra`` pages."""
     H = queries.shape[0]
     for h in prange(H):
-        pages, good = select_group_shared(
+        pages, tokens, good = select_group_shared(
             queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h], next_pages[h],
             members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
-            sscs[h], extras[h], n_extras[h], owners[h], merge, scale)
+            sscs[h], extras[h], n_extras[h], owners[h], merge, scale, take)
         ok[h] = good
         lens[h] = pages.shape[0]
         for i in range(pages.shape[0]):
             out[h, i] = pages[i]
+        tok_lens[h] = tokens.shape[0]
+        for i in range(tokens.shape[0]):
+            tok_out[h, i] = tokens[i]
