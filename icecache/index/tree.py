@@ -432,11 +432,10 @@ class DCITree:
 
     def _shared_group(self, queries, k, max_pages, beam, extra, take):
         """(pages, tokens) of the shared-walk kernel (:func:`~.kernels.select_group_shared`)."""
-        pages, tokens = self._walk(queries.shape[0], lambda mark, sid, spg, ssc: _pair(kernels.select_group_shared(
+        return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: _pair(kernels.select_group_shared(
             queries, k, max_pages, beam, *self.walk_keys(), self.top_level, self.first_page,
             self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
             spg, ssc, extra, len(extra), self.owner, *self.merge_args(), take)), beam + len(extra))
-        return pages, tokens
 
     def scanned(self, queries: np.ndarray, wide: float = 0.0, extra: np.ndarray | None = None) -> np.ndarray:
         """The ids of the points a shared group walk with these arguments scores (``extra``

@@ -65,13 +65,18 @@ def pick_layer(trees: list, queries: np.ndarray, take: int, max_pages: int, wide
 
 
 def _layer(trees, queries, k, max_pages, wide, extra, take):
+    """(pages, tokens) per head of :func:`select_layer` (``take`` 0: no tokens) or :func:`pick_layer`."""
     H = len(trees)
     extra = extra if extra is not None else [None] * H
-    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
+
+    def alone(h):
         if take:
-            got = [t.pick_group(queries[h], take, max_pages, wide, extra[h]) for h, t in enumerate(trees)]
-            return [g[0] for g in got], [g[1] for g in got]
-        return [t.select_group(queries[h], k, max_pages, wide, extra[h]) for h, t in enumerate(trees)], []
+            return trees[h].pick_group(queries[h], take, max_pages, wide, extra[h])
+        return trees[h].select_group(queries[h], k, max_pages, wide, extra[h]), None
+
+    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
+        got = [alone(h) for h in range(H)]
+        return [g[0] for g in got], [g[1] for g in got]
     if any(e is not None and len(e) for e in extra) and k < max_pages * trees[0].cfg.page_size:
         raise ValueError("extra pages need the shared walk's page path")
     n_extra = np.array([0 if e is None else len(e) for e in extra], np.int64)
@@ -97,15 +102,6 @@ def _layer(trees, queries, k, max_pages, wide, extra, take):
         tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
         tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, extras, n_extra,
         tuple(t.owner for t in trees), *trees[0].merge_args(), take, tok_out, tok_lens)
-    pages, tokens = [], []
-    for h in range(H):  # a head whose scratch was too short walks again alone, with room to grow
-        if ok[h]:
-            pages.append(out[h, : lens[h]].copy())
-            tokens.append(tok_out[h, : tok_lens[h]].copy())
-        elif take:
-            p, t = trees[h].pick_group(queries[h], take, max_pages, wide, extra[h])
-            pages.append(p)
-            tokens.append(t)
-        else:
-            pages.append(trees[h].select_group(queries[h], k, max_pages, wide, extra[h]))
-    return pages, tokens
+    # a head whose scratch was too short walks again alone, with room to grow
+    got = [(out[h, : lens[h]].copy(), tok_out[h, : tok_lens[h]].copy()) if ok[h] else alone(h) for h in range(H)]
+    return [g[0] for g in got], [g[1] for g in got]
