@@ -177,35 +177,32 @@ def choose_tokens(members, count, version, tokens):
     a new version. Returns the ids of the pages holding tokens.
     Reference: ``TokenPages.choose_reference``."""
     P, S = members.shape
-    want = np.sort(tokens)
+    T = tokens.shape[0]
+    order = np.argsort(tokens)
+    want = tokens[order]  # sorted, for the members' look-ups
+    held = np.zeros(T, np.bool_)  # tokens[t] already has a slot
     changed = np.zeros(P, np.bool_)
-    stay = np.empty(P * S, np.int64)
-    ns = 0
     for p in range(P):
         for s in range(S):
             m = members[p, s]
             if m < 0:
                 continue
             k = np.searchsorted(want, m)
-            if k < want.shape[0] and want[k] == m:
-                stay[ns] = m
-                ns += 1
+            if k < T and want[k] == m:
+                held[order[k]] = True
             else:
                 members[p, s] = -1
                 changed[p] = True
-    kept = np.sort(stay[:ns])
     t = 0
     for p in range(P):
+        if t == T:
+            break
         for s in range(S):
             if members[p, s] >= 0:
                 continue
-            while t < tokens.shape[0]:  # the next wanted token (given order) not already held
-                k = np.searchsorted(kept, tokens[t])
-                if k < ns and kept[k] == tokens[t]:
-                    t += 1
-                else:
-                    break
-            if t == tokens.shape[0]:
+            while t < T and held[t]:  # the next wanted token (given order) not already held
+                t += 1
+            if t == T:
                 break
             members[p, s] = tokens[t]
             changed[p] = True
