@@ -343,13 +343,12 @@ def scanned_weights(scratch_scores, norms, scale, kept):
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def mass_pages(pages, starts, scratch_scores, norms, scale, max_pages):
+def mass_pages(pages, starts, weight, max_pages):
     """The group's pages (runs of :func:`page_runs`) ranked by the attention mass its queries
-    are estimated to put on them (the sum of their scanned members' :func:`scanned_weights`),
-    at most ``max_pages``: the pages that hold the most of the group's summed attention, the
-    figure the selection is judged by."""
+    are estimated to put on them (the sum of their scanned members' ``weight``, the rows'
+    :func:`scanned_weights`), at most ``max_pages``: the pages that hold the most of the group's
+    summed attention, the figure the selection is judged by."""
     n = pages.shape[0]
-    weight = scanned_weights(scratch_scores, norms, scale, starts[n])
     mass = np.empty(n, np.float32)
     for j in range(n):
         acc = np.float32(0.0)
@@ -530,11 +529,14 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
         if kept < 0:
             return none, none, False
     tokens = none
+    weight = np.empty(0, np.float32)
+    if take > 0 or merge == 1:  # the rows' weights, once for the pick and the mass merge
+        weight = scanned_weights(scratch_scores, norms, scale, kept)
     if take > 0:
-        tokens = top_rows(scanned_weights(scratch_scores, norms, scale, kept), scratch_ids[:kept], take)
+        tokens = top_rows(weight, scratch_ids[:kept], take)
     runs, starts = page_runs(scratch_pages, kept)
     if merge == 1:
-        return mass_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens, True
+        return mass_pages(runs, starts, weight, max_pages), tokens, True
     if merge == 2:
         return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens, True
     return ranks_pages(runs, starts, scratch_scores, max_pages), tokens, True
