@@ -61,6 +61,7 @@ def _compile_picks(trees, queries, kv_heads) -> None:
     for h in kv_heads:
         picks = [TokenPages(S, P) for _ in range(h)]
         choose_layer(tuple(t.members for t in picks), tuple(t.count for t in picks), tuple(t.version for t in picks),
+                     tuple(np.zeros(P * S + 1, np.int64) for _ in range(h)),
                      np.tile(np.arange(P * S, dtype=np.int32), (h, 1)), np.full(h, P * S, np.int64),
                      np.empty((h, P), np.int32), np.zeros(h, np.int64))
 
@@ -116,7 +117,7 @@ def compile_cache() -> None:
         half_scores(np.zeros((2, 3, 8), np.float32), np.zeros((2, 16, 8), np.uint16), 16, brain,
                     np.empty((2, 3, 16), np.float32))
     choose_tokens(np.full((P, S), -1, np.int32), np.zeros(P, np.int32), np.zeros(P, np.int64),
-                  np.arange(5, dtype=np.int32))
+                  np.arange(5, dtype=np.int32), np.zeros(7, np.int64))
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 10, -1)
     pool_valid = np.ones((2, 5), np.bool_)[:, 1:4]  # a view of the resident rows' mask, as a step passes it
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1)

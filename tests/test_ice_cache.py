@@ -632,17 +632,27 @@ def test_pick_kernel_equals_the_numpy_reference(walk_keys):
 
 def test_choose_kernel_equals_the_numpy_reference():
     """``TokenPages.choose`` (numba) against ``choose_reference`` over random choice sequences:
-    the same members, counts, versions and page ids at every step."""
+    the same members, counts, versions and page ids at every step, also where the stamps it
+    shares hold another user's old stamps."""
     from icecache.cache.selectors.tokens import TokenPages
 
+    from icecache.cache.kernels import choose_tokens
+
     rng = np.random.default_rng(12)
-    fast, ref = TokenPages(4, 6), TokenPages(4, 6)
+    fast, ref, stale = TokenPages(4, 6), TokenPages(4, 6), TokenPages(4, 6)
+    mark = np.zeros(41, np.int64)
     for _ in range(200):
         tokens = rng.choice(40, size=int(rng.integers(0, 25)), replace=False)
         a, b = fast.choose(tokens), ref.choose_reference(tokens)
+        # stamps that another user of the marks (a walk) left behind, none above its counter
+        mark[0] += int(rng.integers(0, 3))
+        mark[1:] = rng.integers(0, mark[0] + 1, 40)
+        c = choose_tokens(*stale.table(), tokens.astype(np.int32), mark)
         np.testing.assert_array_equal(a, b)
-        for x, y in zip(fast.table(), ref.table(), strict=True):
+        np.testing.assert_array_equal(c, b)
+        for x, y, z in zip(fast.table(), ref.table(), stale.table(), strict=True):
             np.testing.assert_array_equal(x, y)
+            np.testing.assert_array_equal(z, y)
         assert sorted(fast.tokens().tolist()) == sorted(tokens.tolist())
     with pytest.raises(ValueError, match="do not fit"):
         fast.choose(np.arange(25))

@@ -156,40 +156,47 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
 
 
 @njit(parallel=True, cache=True)
-def choose_layer(chosen, filled, versions, tokens, n_tokens, out, n_out):
+def choose_layer(chosen, filled, versions, marks, tokens, n_tokens, out, n_out):
     """A step's token picks (``index_pick``) packed for every KV head of a layer in one call:
     per head h, :func:`choose_tokens` of its first ``n_tokens[h]`` ``tokens[h]`` into its token
-    pages (``chosen[h]``, ``filled[h]``, ``versions[h]``, updated in place); the ids of the
-    pages holding tokens go to ``out[h, :n_out[h]]``, the heads in parallel (numba's threads).
-    Reference: ``TokenPages.choose_reference`` per head (``DCISelector.choose_reference``)."""
+    pages (``chosen[h]``, ``filled[h]``, ``versions[h]``, updated in place, with the stamps
+    ``marks[h]``); the ids of the pages holding tokens go to ``out[h, :n_out[h]]``, the heads in
+    parallel (numba's threads). Reference: ``TokenPages.choose_reference`` per head
+    (``DCISelector.choose_reference``)."""
     for h in prange(len(chosen)):
-        got = choose_tokens(chosen[h], filled[h], versions[h], tokens[h, : n_tokens[h]])
+        got = choose_tokens(chosen[h], filled[h], versions[h], tokens[h, : n_tokens[h]], marks[h])
         out[h, : got.shape[0]] = got
         n_out[h] = got.shape[0]
 
 
 @njit(nogil=True, cache=True)
-def choose_tokens(members, count, version, tokens):
+def choose_tokens(members, count, version, tokens, mark):
     """:meth:`TokenPages.choose <icecache.cache.selectors.tokens.TokenPages.choose>` in one
     pass: make the distinct host rows ``tokens`` the chosen set of the page table
     ``members``/``count``/``version`` (updated in place): a token that stays keeps its slot, one
-    that leaves frees it, new ones fill the free slots in the order given, changed pages are packed and get
-    a new version. Returns the ids of the pages holding tokens.
-    Reference: ``TokenPages.choose_reference``."""
+    that leaves frees it, new ones fill the free slots in the order given, changed pages are
+    packed and get a new version. Returns the ids of the pages holding tokens.
+
+    ``mark``: int64 stamps, longer than 1 + every token and member; ``mark[0]`` counts stamps
+    (``icecache.index.walk.marks``: the walk's node marks, whose protocol this follows), so a
+    row's membership is one look-up, without sorting the tokens or searching them (a sort and
+    a binary search per member mispredict their branches on each step's new picks: 21 against
+    6 us for 256 tokens when the same few sets recur). Reference: ``TokenPages.choose_reference``."""
     P, S = members.shape
     T = tokens.shape[0]
-    order = np.argsort(tokens)
-    want = tokens[order]  # sorted, for the members' look-ups
-    held = np.zeros(T, np.bool_)  # tokens[t] already has a slot
+    want = mark[0] + 1  # a wanted token without a slot yet
+    held = want + 1  # a wanted token that keeps its slot
+    mark[0] = held
+    for t in range(T):
+        mark[tokens[t] + 1] = want
     changed = np.zeros(P, np.bool_)
     for p in range(P):
         for s in range(S):
             m = members[p, s]
             if m < 0:
                 continue
-            k = np.searchsorted(want, m)
-            if k < T and want[k] == m:
-                held[order[k]] = True
+            if mark[m + 1] == want:
+                mark[m + 1] = held
             else:
                 members[p, s] = -1
                 changed[p] = True
@@ -200,7 +207,7 @@ def choose_tokens(members, count, version, tokens):
         for s in range(S):
             if members[p, s] >= 0:
                 continue
-            while t < T and held[t]:  # the next wanted token (given order) not already held
+            while t < T and mark[tokens[t] + 1] == held:  # the next wanted token (given order) not held
                 t += 1
             if t == T:
                 break

@@ -19,13 +19,11 @@ def walk_rows(n: int, beam: int, g: int) -> int:
     return min(n, max(WALK_ROWS, WALK_ROWS_PER_BEAM * beam * g))
 
 
-def group_scratch(n: int, g: int, rows: int, slot: int = 0):
-    """This thread's scratch for a group walk, shared by every tree it queries: ``mark`` (one
-    int64 per node, at least ``n + 1``; a call counter in slot 0 keeps stamps unique across
-    trees), and room for ``rows`` scanned rows (ids, pages, ``g`` scores each). Sized by what a
-    walk scans, not by the tree (a per-tree copy of ``n`` x ``g`` scores was the largest part of
-    a long sparse prefill's index memory). Walks that run at the same time (a layer's heads in
-    parallel) each take their own ``slot``."""
+def marks(n: int, slot: int = 0) -> np.ndarray:
+    """This thread's stamps for slot ``slot``: int64, at least ``n + 1`` (row or node i at i + 1),
+    slot 0 a counter that each user raises past every stamp it writes, so that stamps stay
+    unique across the trees and calls that share it (a group walk marks the nodes it expanded,
+    the token packing the rows it wants, :func:`~icecache.cache.kernels.choose_tokens`)."""
     arrays = getattr(_scratch, "arrays", None)
     if arrays is None:
         arrays = _scratch.arrays = {}
@@ -35,6 +33,17 @@ def group_scratch(n: int, g: int, rows: int, slot: int = 0):
         if mark is not None:
             fresh[0] = mark[0]
         arrays[("mark", slot)] = mark = fresh
+    return mark
+
+
+def group_scratch(n: int, g: int, rows: int, slot: int = 0):
+    """This thread's scratch for a group walk, shared by every tree it queries: ``mark`` (one
+    int64 per node, :func:`marks`), and room for ``rows`` scanned rows (ids, pages, ``g`` scores
+    each). Sized by what a walk scans, not by the tree (a per-tree copy of ``n`` x ``g`` scores
+    was the largest part of a long sparse prefill's index memory). Walks that run at the same
+    time (a layer's heads in parallel) each take their own ``slot``."""
+    mark = marks(n, slot)
+    arrays = _scratch.arrays
     rows_now = arrays.get(("rows", g, slot))
     if rows_now is None or rows_now[0].shape[0] < rows:
         size = max(rows, 2 * (0 if rows_now is None else rows_now[0].shape[0]))

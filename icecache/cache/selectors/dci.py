@@ -19,7 +19,7 @@ import numpy as np
 
 from ...index import DCITree, IndexConfig
 from ...index.config import MERGES, WALK_KEYS
-from ...index.walk import pick_layer, select_layer
+from ...index.walk import marks, pick_layer, select_layer
 from ..kernels import choose_layer
 from .base import HeadIndexes, register
 from .tokens import TokenPages, group_weights, top_tokens
@@ -173,8 +173,10 @@ class DCISelector(HeadIndexes):
         out = np.empty((H, max_pages), np.int32)
         n_out = np.zeros(H, np.int64)
         picks = self.picks
+        # the walk's own node marks per head (each head's tokens and held rows are its tree's points)
         choose_layer(tuple(t.members for t in picks), tuple(t.count for t in picks),
-                     tuple(t.version for t in picks), chosen, n, out, n_out)
+                     tuple(t.version for t in picks), tuple(marks(tree.n, h) for h, tree in enumerate(self.indexes)),
+                     chosen, n, out, n_out)
         return [out[h, : n_out[h]] for h in range(H)]
 
     def choose_reference(self, queries: np.ndarray, max_pages: int, wide: float = 0.0,

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from ...index.walk import marks
 from ..kernels import choose_tokens
 
 
@@ -40,7 +41,8 @@ class TokenPages:
         tokens = np.asarray(tokens, np.int32)
         if len(tokens) > self.capacity:
             raise ValueError(f"{len(tokens)} tokens do not fit {self.npages} pages of {self.S}")
-        return choose_tokens(self.members, self.count, self.version, tokens)
+        top = max(int(tokens.max(initial=0)), int(self.members.max()))
+        return choose_tokens(self.members, self.count, self.version, tokens, marks(top + 1))
 
     def choose_reference(self, tokens: np.ndarray) -> np.ndarray:
         """NumPy reference of :meth:`choose` (the same contract, tested equal)."""
