@@ -634,9 +634,8 @@ def test_choose_kernel_equals_the_numpy_reference():
     """``TokenPages.choose`` (numba) against ``choose_reference`` over random choice sequences:
     the same members, counts, versions and page ids at every step, also where the stamps it
     shares hold another user's old stamps."""
-    from icecache.cache.selectors.tokens import TokenPages
-
     from icecache.cache.kernels import choose_tokens
+    from icecache.cache.selectors.tokens import TokenPages
 
     rng = np.random.default_rng(12)
     fast, ref, stale = TokenPages(4, 6), TokenPages(4, 6), TokenPages(4, 6)
