@@ -71,12 +71,12 @@ def compile_loads(kv_heads=KV_HEADS) -> None:
     compiled per KV head count (its page tables come as one tuple per layer): from a 16-bit host
     store (the CPU profile's float16) for each count, from a float32 store for the embedded
     model's 3 heads (another count compiles on its first use, a few seconds)."""
-    from .cache.kernels import load_pool, widening_table
+    from .cache.kernels import FLOAT16, FLOAT32, load_pool
 
     S, P, d = 4, 3, 4
     rows = 1 + P * S + 2
     for H, bits in [(h, np.uint16) for h in kv_heads] + [(3, np.uint32)]:
-        table = widening_table("float16") if bits is np.uint16 else np.empty(0, np.uint32)
+        kind = FLOAT16 if bits is np.uint16 else FLOAT32
         load_pool(np.zeros((H, 1), np.int64), np.ones(H, np.int64), np.full((H, P), -1, np.int64),
                   np.zeros((H, P), np.int64), np.zeros((H, P), np.int64),
                   tuple(np.zeros(4, np.int64) for _ in range(H)),
@@ -85,7 +85,7 @@ def compile_loads(kv_heads=KV_HEADS) -> None:
                   np.zeros((0, 1), np.int32), np.zeros(0, np.int32), np.zeros(0, np.int64),
                   np.zeros(0, np.int64), P, S, 1, np.zeros((H, rows), np.bool_),
                   np.full((H, P * S), -1, np.int64), True, np.zeros((H, 8, d), bits), np.zeros((H, 8, d), bits),
-                  table, np.zeros((H, rows, d), np.uint32), np.zeros((H, rows, d), np.uint32),
+                  kind, np.zeros((H, rows, d), np.uint32), np.zeros((H, rows, d), np.uint32),
                   np.empty(P * S, np.int64), np.empty(P * S, np.int64))
 
 

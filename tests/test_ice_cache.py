@@ -398,6 +398,35 @@ def test_plan_head_matches_reference():
             assert any(a[0][s] == p and a[1][s] == version[p] for s in range(P))
 
 
+def test_stable_order_is_numpys_stable_argsort():
+    """The pool's placement sorts its slots' host rows by :func:`stable_order` (a radix sort):
+    NumPy's stable argsort on empty slots (-1) among rows, ties, keys of one to three 8-bit
+    digits and more, and no keys at all."""
+    from icecache.cache.kernels import stable_order
+
+    rng = np.random.default_rng(4)
+    for n, top in [(0, 1), (1, 1), (7, 3), (400, 255), (400, 256), (400, 16384), (333, 2**17), (50, 2**40)]:
+        key = rng.integers(-1, top, n).astype(np.int64)
+        key[rng.random(n) < 0.2] = -1
+        order, spare = np.empty(n, np.int64), np.empty(n, np.int64)
+        stable_order(key, order, spare)
+        np.testing.assert_array_equal(order, np.argsort(key, kind="stable"))
+
+
+@pytest.mark.parametrize("dtype", ["float16", "bfloat16"])
+def test_load_widens_every_16_bit_pattern_as_numpy_does(dtype):
+    """:func:`load_pool`'s widening of a 16-bit host store (integer operations, vectorized)
+    gives NumPy's float32 for every one of the 65536 patterns (subnormals, signed zeros,
+    infinities and NaN payloads among them); float32 elements are copied bit for bit."""
+    from icecache.cache.kernels import BFLOAT16, FLOAT16, FLOAT32, widen_bits, widening_table
+
+    patterns = np.arange(65536, dtype=np.uint32).astype(np.uint16)
+    got = widen_bits(patterns, FLOAT16 if dtype == "float16" else BFLOAT16)
+    np.testing.assert_array_equal(got, widening_table(dtype))
+    words = np.random.default_rng(0).integers(0, 2**32, 1000, dtype=np.uint32)
+    np.testing.assert_array_equal(widen_bits(words, FLOAT32), words)
+
+
 @pytest.mark.parametrize("store_dtype", [torch.float16, torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("pinned_slots", [0, 3])
 def test_one_call_load_equals_the_general_path(store_dtype, pinned_slots):

@@ -20,11 +20,11 @@ import torch
 
 from .backend import TorchBackend
 from .host_store import HostStore
-from .kernels import load_pool, plan_head, widening_table
+from .kernels import BFLOAT16, FLOAT16, FLOAT32, load_pool, plan_head
 
-# the host store dtypes :func:`~.kernels.load_pool` reads, with their widening tables (made
-# on first use; float32 rows are copied as they are)
-WIDENING = {torch.float32: np.empty(0, np.uint32), torch.float16: None, torch.bfloat16: None}
+# the host store dtypes :func:`~.kernels.load_pool` reads, as its ``kind`` codes (float32 rows
+# are copied as they are, 16-bit ones widened)
+WIDENING = {torch.float32: FLOAT32, torch.bfloat16: BFLOAT16, torch.float16: FLOAT16}
 
 # ``ResidentKV.load``'s pinned pages when none are chosen: (page ids, (members, count, version),
 # host rows), all empty
@@ -139,11 +139,11 @@ class ResidentKV:
         assert len(selected) == self.heads and all(len(w) <= main for w in selected), \
             f"more pages selected than the pool's {main} slots"
         assert pinned is None or len(pinned[0]) <= self.pinned_slots, "more pinned pages than pinned slots"
-        table = self._one_call(store)
-        if table is None:
+        kind = self._one_call(store)
+        if kind is None:
             return self.load_reference(selected, page_table, store, pinned)
         pinned = NO_PINNED if pinned is None else pinned  # none chosen: the pinned slots are freed
-        return self._load_one_call(selected, page_table, store, pinned, self.pool_pages - self.pinned_slots, table)
+        return self._load_one_call(selected, page_table, store, pinned, self.pool_pages - self.pinned_slots, kind)
 
     def load_reference(self, selected: list[np.ndarray], page_table, store: HostStore,
                        pinned: tuple[np.ndarray, tuple, np.ndarray] | None = None) -> tuple[int, int]:
@@ -186,19 +186,17 @@ class ResidentKV:
                                            self.values.view(-1, self.head_dim), torch.from_numpy(dst[:m]))
         return loaded, moved
 
-    def _one_call(self, store: HostStore) -> np.ndarray | None:
-        """:func:`~.kernels.load_pool`'s widening table for this store when it can do this pool's
-        loads (on the CPU, a float32 pool, a contiguous host store of float32, float16 or
+    def _one_call(self, store: HostStore) -> int | None:
+        """:func:`~.kernels.load_pool`'s ``kind`` for this store's elements when it can do this
+        pool's loads (on the CPU, a float32 pool, a contiguous host store of float32, float16 or
         bfloat16), else None."""
         dt = store.keys.dtype
         if (self.keys.device.type != "cpu" or self.keys.dtype != torch.float32 or dt not in WIDENING
                 or not (store.keys.is_contiguous() and store.values.is_contiguous())):
             return None
-        if WIDENING[dt] is None:
-            WIDENING[dt] = widening_table(str(dt).removeprefix("torch."))
         return WIDENING[dt]
 
-    def _load_one_call(self, selected, page_table, store: HostStore, pinned, main: int, table: np.ndarray):
+    def _load_one_call(self, selected, page_table, store: HostStore, pinned, main: int, kind: int):
         """:meth:`load` by one numba call (plans, widening copies, pinned rows masked)."""
         H, S = self.heads, self.page_size
         lens = np.array([len(w) for w in selected], np.int64)
@@ -213,7 +211,7 @@ class ResidentKV:
             want, lens, self.slot_page, self.slot_version, self.slot_fill, tuple(t[2] for t in tables),
             tuple(t[0] for t in tables), tuple(t[1] for t in tables), pinned[0], pm, pc, pv,
             pinned[2].astype(np.int64, copy=False), main, S, self.pool_at, self.valid, self.pool_row,
-            self.track_rows, host_k, host_v, table, keys, values, src, dst)
+            self.track_rows, host_k, host_v, kind, keys, values, src, dst)
         return loaded, 2 * m * self.head_dim * store.keys.element_size()
 
     _views: tuple | None = None  # :meth:`_bit_views`' arrays and the store tensors they view
