@@ -121,19 +121,26 @@ def half_bits(x):
     return sign | out
 
 
+@njit(inline="always")
+def widened(x, kind):
+    """One host-store element's bits -> its float32 value's bits, for the element type ``kind``
+    (:data:`FLOAT32`: the bits themselves; :data:`BFLOAT16`: a float32's upper half;
+    :data:`FLOAT16`: :func:`half_bits`). ``kind`` is the same for a whole loop, which the
+    compiler then splits by it."""
+    if kind == FLOAT16:
+        return half_bits(x)
+    if kind == BFLOAT16:
+        return np.uint32(x) << np.uint32(16)
+    return np.uint32(x)
+
+
 @njit(nogil=True, cache=True)
 def widen_bits(x, kind):
-    """Host-store elements' bits (an array) -> their float32 values' bits, uint32, for the
-    element type ``kind`` (:data:`FLOAT32`, :data:`BFLOAT16`, :data:`FLOAT16`): the conversion
-    :func:`load_pool` makes, as a function its test calls on every 16-bit pattern."""
+    """:func:`widened` over an array (uint32 out): what :func:`load_pool` does to each element
+    of a row it loads, as a function its test calls on every 16-bit pattern."""
     out = np.empty(x.shape[0], np.uint32)
     for i in range(x.shape[0]):
-        if kind == FLOAT16:
-            out[i] = half_bits(x[i])
-        elif kind == BFLOAT16:
-            out[i] = np.uint32(x[i]) << np.uint32(16)
-        else:
-            out[i] = np.uint32(x[i])
+        out[i] = widened(x[i], kind)
     return out
 
 
@@ -149,7 +156,7 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
     ``pin_ids`` (table ``pin_members``/``pin_count``/``pin_version``, the same for every head) in
     the slots after them; each row to load goes from the host store (``store_k``/``store_v``
     (H, capacity, d), as bits: float32 as uint32, copied; 16-bit floats as uint16, widened by
-    their ``kind``, :func:`widen_bits`' conversion) straight into ``pool_k``/``pool_v``
+    their ``kind``, :func:`widened`) straight into ``pool_k``/``pool_v``
     (H, rows, d), float32 as uint32 bits, at row ``pool_at + slot * S + t``. ``pool_row``
     (H, P * S) gets the loaded rows' host rows when ``track``; a main-slot row whose host row is
     one of the sorted ``pin_rows`` is made invalid (a pinned passage holds it). ``src``/``dst``:
@@ -178,18 +185,9 @@ def load_pool(want, wlen, slot_page, slot_version, slot_fill, versions, members_
             r, t = src[i], pool_at + dst[i]
             if track:
                 pool_row[h, dst[i]] = r
-            if kind == FLOAT16:
-                for j in range(d):
-                    pool_k[h, t, j] = half_bits(store_k[h, r, j])
-                    pool_v[h, t, j] = half_bits(store_v[h, r, j])
-            elif kind == BFLOAT16:
-                for j in range(d):
-                    pool_k[h, t, j] = np.uint32(store_k[h, r, j]) << np.uint32(16)
-                    pool_v[h, t, j] = np.uint32(store_v[h, r, j]) << np.uint32(16)
-            else:
-                for j in range(d):
-                    pool_k[h, t, j] = store_k[h, r, j]
-                    pool_v[h, t, j] = store_v[h, r, j]
+            for j in range(d):
+                pool_k[h, t, j] = widened(store_k[h, r, j], kind)
+                pool_v[h, t, j] = widened(store_v[h, r, j], kind)
         copied += m
         if npin:  # a selected row that a pinned page holds too is attended once (resident.sorted_member)
             for i in range(main * S):
