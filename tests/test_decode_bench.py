@@ -283,3 +283,24 @@ def test_the_linear_clock_times_the_decode_steps_joined_int4_products(monkeypatc
     timed = clock.seconds
     Int4Layer.product_of(3, None)
     assert clock.seconds == timed  # not timed after the clock is left
+
+
+def test_breakdown_is_of_the_median_step_not_of_a_spike(loaded, cpu_settings):
+    """A step that spends a second in one stage (an eviction into the index) moves no part of
+    the breakdown by more than it moves the median TPOT: each part is a median over the steps,
+    the rest a median of each step's time less its stages (a mean of the stages beside the
+    median TPOT gave the spike to the attention and a negative rest)."""
+    settings = cpu_settings.replace(budget=64)
+    shared = decode_bench.prefill(loaded, settings, 300)
+    t = decode_bench.start(loaded, settings, "ice", shared)
+    t.advance(6)
+    assert len(t.stages) == len(t.times) == 6
+    before = t.result().breakdown_ms
+    t.times.append(1.0)
+    t.stages.append((0.0, 0.0, 0.99))
+    r = t.result()
+    b = r.breakdown_ms
+    assert 0 < b["rest_of_model"] <= r.tpot_ms and b["ice_attention"] <= r.tpot_ms
+    for name in ("index_query", "page_loading", "ice_attention", "rest_of_model"):
+        assert b[name] == pytest.approx(before[name], abs=1000 * max(t.times[:6]))
+    assert sum(b.values()) == pytest.approx(r.tpot_ms, rel=0.5)
