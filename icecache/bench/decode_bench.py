@@ -208,7 +208,7 @@ class DecodeTimer:
             self.times.append(dt)
             s1 = _stats(self.session.cache)
             if s0 and s1:
-                self.stages.append(tuple(s1[key] - s0[key] for key in STAGE_KEYS))
+                self.stages.append(tuple(s1[key] - s0[key] for _, key in STAGES))
                 self.loaded_pages += s1["pages_loaded"] - s0["pages_loaded"]
         if self.on_step is not None:  # (steps done, steps in all, timed step seconds, session)
             self.on_step(self.done, self.warmup + self.planned, self.times, self.session)
@@ -235,7 +235,7 @@ class DecodeTimer:
             rest = np.array(self.times)
             if self.stages:
                 stages = np.array(self.stages)
-                breakdown = {name: 1000 * float(np.median(stages[:, i])) for i, name in enumerate(STAGE_NAMES)}
+                breakdown = {name: 1000 * float(np.median(stages[:, i])) for i, (name, _) in enumerate(STAGES)}
                 rest = rest - stages.sum(axis=1)
                 loaded_pages = self.loaded_pages / len(self.stages)
             rest_ms = 1000 * float(np.median(rest))
@@ -252,8 +252,8 @@ class DecodeTimer:
             clamped=session.clamped)
 
 
-STAGE_NAMES = ("index_query", "page_loading", "ice_attention")  # the breakdown's stages ...
-STAGE_KEYS = ("query_s", "load_s", "attention_s")  # ... and the cache's counters of them
+# the breakdown's stages, each with the cache's counter of it
+STAGES = (("index_query", "query_s"), ("page_loading", "load_s"), ("ice_attention", "attention_s"))
 
 
 def _stats(cache):
