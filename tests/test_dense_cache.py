@@ -26,13 +26,13 @@ def test_dense_decode_matches_the_reference(H, G, dtype):
     torch.testing.assert_close(got.view(H, G, 16).float(), ref.float(), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("G", [1, 3, 4, 6])
+@pytest.mark.parametrize("G", [1, 3, 4, 6, 7])
 @pytest.mark.parametrize("T", [1, 300, 1500])
 @pytest.mark.parametrize("half", [False, True])
 def test_the_fused_dense_decode_is_the_reference(G, T, half):
     """numba's whole decode step (scores, softmax in blocks of rows joined at the end, values)
     over the first T rows of larger buffers against dense_decode_reference, for every G (the
-    scores take the group four queries at a time) and with one, several or a partial block of
+    scores take the group four queries a pass, three where three are left) and with one, several or a partial block of
     rows (DECODE_ROWS); ``half``: the keys as float16 bits and the values as bfloat16 bits (a
     dense layer's decode dtypes), against the reference over the same rounded rows in float32."""
     from icecache.cache import dense
