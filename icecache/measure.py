@@ -3,7 +3,8 @@
 - :func:`rss_bytes`: the process's resident set size now;
 - :class:`PeakRss`: the largest RSS seen while a ``with`` block runs (sampled in a thread);
 - :func:`kv_bytes`: a cache's resident KV bytes (device pool and dense layers), host-store bytes,
-  and the resident bytes of the layers from ``dense_layers`` on, for any cache a method uses.
+  and the resident bytes of the layers from ``dense_layers`` on, for any cache a method uses;
+- :func:`window_kv`: the part of the resident bytes that the model's sliding-window layers hold.
 """
 
 from __future__ import annotations
@@ -58,7 +59,25 @@ def kv_bytes(cache, dense_layers: int = 0) -> tuple[int, int, int]:
     if hasattr(cache, "ice_layers"):
         sparse = sum(layer.device_bytes() for layer in cache.ice_layers())
         return int(cache.device_kv_bytes()), int(cache.host_kv_bytes()), int(sparse)
-    per = [layer.device_bytes() if hasattr(layer, "device_bytes")
-           else 2 * layer.keys.numel() * layer.keys.element_size()
-           for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None]
+    per = [_layer_bytes(layer) for layer in getattr(cache, "layers", []) if getattr(layer, "keys", None) is not None]
     return int(sum(per)), 0, int(sum(per[dense_layers:]))
+
+
+def _layer_bytes(layer) -> int:
+    """The resident keys and values of one layer of any cache."""
+    if hasattr(layer, "device_bytes"):
+        return int(layer.device_bytes())
+    keys = getattr(layer, "keys", None)
+    return 0 if keys is None else 2 * keys.numel() * keys.element_size()
+
+
+def window_kv(cache) -> tuple[int, int]:
+    """``(layers, bytes)``: how many of ``cache``'s layers are the model's sliding-window layers
+    (Gemma 3's five in six), and the resident KV bytes they hold, a part of :func:`kv_bytes`'s
+    device figure. Every method keeps such a layer to its window, so this part stays the same
+    whatever the context's length; (0, 0) for a model without window layers."""
+    from transformers.cache_utils import DynamicSlidingWindowLayer
+
+    windows = [layer for layer in getattr(cache, "layers", None) or []
+               if isinstance(layer, DynamicSlidingWindowLayer)]
+    return len(windows), sum(_layer_bytes(layer) for layer in windows)

@@ -20,7 +20,7 @@ from icecache.checks import SUMMARY_REPETITION_PENALTY, check_generation_room, c
 from icecache.config import Settings, resolve_settings
 from icecache.documents import read_document
 from icecache.errors import InputError
-from icecache.measure import kv_bytes
+from icecache.measure import kv_bytes, window_kv
 from icecache.methods import check_prefill, get
 from icecache.models import check_device, context_length_of, load_model, resolve_model_source
 
@@ -199,9 +199,11 @@ def _report(reporter: Reporter, runner: Runner, result: TaskResult, settings: Se
         )
     mem = memory_figures(runner.session.cache)
     result.memory = mem
+    windows = (f" ({mem['window_layers']} sliding-window layers {mem['window_kv_bytes'] / 2**20:.1f} MiB of it, "
+               "each its window only)") if mem["window_layers"] else ""
     reporter.info(
         f"memory: peak RSS {mem['peak_rss_bytes'] / 2**30:.2f} GiB; resident KV "
-        f"{mem['device_kv_bytes'] / 2**20:.1f} MiB, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
+        f"{mem['device_kv_bytes'] / 2**20:.1f} MiB{windows}, host store {mem['host_kv_bytes'] / 2**20:.1f} MiB")
 
 
 def final_stats(result: TaskResult, cache, settings, session=None, weights: str | None = None,
@@ -255,7 +257,9 @@ def memory_figures(cache) -> dict:
 
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
     dev, host, _ = kv_bytes(cache)
-    return {"peak_rss_bytes": int(peak), "device_kv_bytes": dev, "host_kv_bytes": host}
+    layers, window = window_kv(cache)
+    return {"peak_rss_bytes": int(peak), "device_kv_bytes": dev, "host_kv_bytes": host,
+            "window_layers": layers, "window_kv_bytes": window}
 
 
 def render_text(result: TaskResult) -> str:

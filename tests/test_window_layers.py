@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from icecache.cache.window import WindowLayer, kv_in_order, window_sizes
+from icecache.measure import window_kv
 from icecache.methods import METHODS, make_cache
 from tests.test_ice_cache import tiny_model
 from tests.test_pinned import SETTINGS
@@ -63,6 +64,10 @@ def test_every_method_keeps_the_window_layers_to_their_window(gemma, method):
     assert kinds[:3] == [type(cache.layers[0])] * 3
     windows = cache.layers[:3]  # (a window layer's decode ring: the window; its rows in order: less)
     assert all(layer.keys.shape[2] <= 24 and kv_in_order(layer)[0].shape[2] < 24 for layer in windows)
+    # what --stats reports of them: three layers, each at most its window of 24 rows
+    layers, held = window_kv(cache)
+    row = 2 * windows[0].keys.shape[1] * windows[0].keys.shape[3] * windows[0].keys.element_size()
+    assert layers == 3 and 0 < held <= 3 * 24 * row
     if method not in ("full", "offloaded"):  # (transformers' own caches)
         assert all(isinstance(layer, WindowLayer) for layer in windows)
         assert not isinstance(cache.layers[3], WindowLayer)
@@ -71,6 +76,11 @@ def test_every_method_keeps_the_window_layers_to_their_window(gemma, method):
         ref, _ = run(gemma, "full", SETTINGS)
         for a, b in zip(ref, logits, strict=True):
             torch.testing.assert_close(b, a, atol=2e-4, rtol=1e-4)
+
+
+def test_a_model_without_window_layers_reports_none():
+    logits, cache = run(tiny_model("llama", 1), "ice", SETTINGS)
+    assert window_kv(cache) == (0, 0) and window_kv(None) == (0, 0)
 
 
 @pytest.mark.parametrize("method", ["ice", "streaming", "quest"])
