@@ -79,7 +79,7 @@ def test_every_method_keeps_the_window_layers_to_their_window(gemma, method):
 
 
 def test_a_model_without_window_layers_reports_none():
-    logits, cache = run(tiny_model("llama", 1), "ice", SETTINGS)
+    _, cache = run(tiny_model("llama", 1), "ice", SETTINGS)
     assert window_kv(cache) == (0, 0) and window_kv(None) == (0, 0)
 
 
