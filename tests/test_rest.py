@@ -43,6 +43,35 @@ def test_rest_attention_matches_its_reference_and_one_row_groups_are_exact():
                                twice)
 
 
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_rest_rows_at_one_remapped_distance_score_as_keys_the_model_turned_there(cap):
+    """With remapped positions the estimate rows' mean keys are un-rotated and every one sits
+    at one position: scoring them with the query turned to that distance (``rest_q``) is the
+    reference attention over those keys rotated there by the model's own RoPE, the query at its
+    true position."""
+    from icecache.cache.positions import RopeFrame
+
+    from .test_positions import ROPES, llama, model_rope
+
+    model = llama(ROPES["default"])
+    frame = RopeFrame.from_model(model)
+    g = torch.Generator().manual_seed(5)
+    H, G, L, P, d, pos, at = 2, 2, 12, 9, 32, 3000, 2300
+    q = model_rope(model, torch.randn(H * G, 1, d, generator=g), torch.tensor([pos]))[:, 0].reshape(H, G, d)
+    k, v = torch.randn(H, L, d, generator=g), torch.randn(H, L, d, generator=g)
+    valid = torch.rand(H, L, generator=g) > 0.3
+    valid[:, 0] = True
+    raw, rv = torch.randn(H, P, d, generator=g), torch.randn(H, P, d, generator=g)
+    bias = torch.rand(H, P, generator=g) * 3
+    turned = model_rope(model, raw, torch.full((P,), at))
+    rest_q = frame.rotate(q.reshape(-1, d), pos, pos - at).view(q.shape)
+    got = paged_decode_rest(q, k, v, valid, [(raw.transpose(1, 2), rv, bias)], 0.3, cap, rest_q)
+    want = paged_decode_rest_reference(q, k, v, valid, [(turned.transpose(1, 2), rv, bias)], 0.3, cap)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=1e-4)
+    # the rows' distance matters: unturned, the query scores them differently
+    assert (paged_decode_rest(q, k, v, valid, [(raw.transpose(1, 2), rv, bias)], 0.3, cap) - want).abs().max() > 1e-3
+
+
 def rest_spec(budget: int, on: bool = True, **changes):
     return dataclasses.replace(spec(budget_pages=budget, rest_estimate=on), **changes)
 

@@ -89,6 +89,31 @@ def test_a_sparse_prefill_with_remapped_positions_runs_the_window_layers_as_they
     assert all(torch.isfinite(x).all() for x in logits)
     assert cache.remap is not None and cache.remap.frame is not None
     assert all(isinstance(layer, WindowLayer) and layer.in_order()[0].shape[2] < 24 for layer in cache.layers[:3])
+    assert cache.remap.page_distance == 24  # the model's sliding window
+
+
+def test_remapped_pages_end_beyond_the_sliding_window():
+    """A remapped step's loaded pages end beyond the cache's window and beyond the model's
+    sliding window, whichever is farther; a model without window layers: beyond the cache's."""
+    from icecache.cache.positions import Remap, RopeFrame
+
+    frame = RopeFrame.from_model(tiny_model("llama", 1))
+    assert Remap(frame, 24).pages_end(100, 8) == 100 - 1 - 24
+    assert Remap(frame, 24).pages_end(100, 30) == 100 - 1 - 30
+    assert Remap(frame, 0).pages_end(100, 8) == 100 - 1 - 8
+
+
+def test_remapped_positions_keep_the_rest_estimate_rows_on_a_model_with_window_layers(gemma):
+    """Under remapped positions the estimate rows stay on where the model has sliding-window
+    layers (placed past the pool) and the steps run through them; a model without them attends
+    to the resident rows only."""
+    s = SETTINGS.replace(prefill="sparse", positions="remap", rest_estimate=True)
+    for model, kind in ((gemma, "rest"), (tiny_model("llama", 1), "plain")):
+        logits, cache = run(model, "ice", s)
+        assert all(torch.isfinite(x).all() for x in logits)
+        paged = cache.ice_layers()
+        assert paged and all(layer.kernel == kind for layer in paged)
+        assert all((layer.rest is not None and layer.rest.npages > 0) == (kind == "rest") for layer in paged)
 
 
 def test_the_memory_estimate_counts_a_window_layer_as_its_window():

@@ -11,8 +11,10 @@ pool + window with the attention chosen once for the layer (:attr:`DecodeStep.ke
 - ``plain``: exact attention over the resident rows (on a GPU through FlashInfer's paged decode
   where ``attention_backend`` has it: :mod:`.flashinfer_decode`).
 
-With remapped positions the resident keys are placed just beyond the window (:mod:`.placement`;
-on the CPU each row turns as the kernel scores it); with ``answer_spans`` the prompt's last steps
+With remapped positions the resident keys are placed just beyond the window, and beyond the
+model's largest sliding window (:meth:`~.positions.Remap.pages_end`, :mod:`.placement`; on the
+CPU each row turns as the kernel scores it), the estimate rows of ``rest`` together just past
+them; with ``answer_spans`` the prompt's last steps
 vote for the passages that stay resident for the answer (:class:`~.spans.AnswerPassages`). Each
 stage is timed into :class:`~.spec.StepStats`. A model that caps its scores (``softcap``, Gemma 2)
 has every one of these attentions cap them (:mod:`.paged`).
@@ -41,14 +43,18 @@ from .rest import RestPages, step_rest
 
 def attention_kind(selector, spec, remap) -> str:
     """The attention of an ice layer's decode steps: ``weighted``, ``rest`` or ``plain``
-    (see the module's docstring). The estimate of the rest needs true positions: with remapped
-    positions every page would sit at one distance just beyond the window, and the estimate of a
-    100k-token document's thousands of pages buried the answer's passage."""
+    (see the module's docstring).
+
+    With remapped positions the estimate rows are kept only on a model with sliding-window
+    layers (``remap.page_distance``: its far pages sit beyond that window): there they are what
+    finds Gemma 3's needles past its 32k; on a model without them (the embedded one) the rows,
+    thousands of pages at one distance, buried its 64k passkey and 100k report answers
+    (docs/results.md, "Gemma 3 270M past its trained context")."""
     if not spec.budget_pages:
         return "plain"
     if selector is not None and selector.estimates:
         return "weighted"
-    if selector is not None and selector.rest_estimate and remap is None:
+    if selector is not None and selector.rest_estimate and (remap is None or remap.page_distance > 0):
         return "rest"
     return "plain"
 
@@ -74,8 +80,8 @@ class DecodeStep:
         wide = self.spec.tail_beam_frac if tail else 0.0
         chooser = query[:, 0]
         if self.remap is not None:  # pages sit just beyond the window; their query selects (the index is position-free)
-            page_distance = r.window_fill  # the window holds this step's token too
-            chooser = self.remap.frame.rotate(chooser, self.length - 1, page_distance)
+            pages_at = self.remap.pages_end(self.length, r.window_fill)
+            chooser = self.remap.frame.rotate(chooser, self.length - 1, self.length - 1 - pages_at)
         self.select(chooser, pages, wide, prefill=tail)
         if self.passages is not None:
             merge = self.remap is not None and bool(self.remap.pin_gap)
@@ -88,14 +94,20 @@ class DecodeStep:
             # the pages end just beyond the window, the sink just before them: the keys are placed
             # there (one rotation, made as the rows are scored where the kernel can) and the query
             # stays at its true position
-            pages_at = self.length - 1 - page_distance
             offset, count = placing(r, self.remap, self.passages, self.length, pages_at)
             place = (self.remap.frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
         rows = r.cpu_rows() if place is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
         if rows is None:
             k, v, valid = r.tensors()
-        rest = self.rest_rows() if self.kernel == "rest" else None  # (true positions only)
-        if rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
+        rest = self.rest_rows() if self.kernel == "rest" else None
+        if rest is not None and place is not None:
+            # remapped: the estimate rows sit together just past the farthest placed row of the
+            # pool (their mean keys un-rotated: the query turns to that distance instead)
+            k = place_keys(place[0], k, *place[1:])
+            far = self.length - 1 - pages_at + int(place[6].max())
+            rest_q = self.remap.frame.rotate(q.reshape(-1, d), self.length - 1, far).view(q.shape)
+            out = paged_decode_rest(q, k, v, valid, rest, scale, softcap, rest_q)
+        elif rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
             out = paged_decode_placed_rows(q, *rows, r.valid, scale, softcap, place_tables(*place))
         elif self.kernel == "weighted":
             if place is not None:
@@ -154,7 +166,7 @@ class DecodeStep:
         at = chunk_positions(C, self.spec.prefill_queries)
         sel = query[:, torch.from_numpy(at).to(query.device)]  # (Hq, n, d)
         if self.remap is not None:
-            pages_at = self.length - r.window_fill - 1  # the pages end just before the window
+            pages_at = self.remap.pages_end(self.length, r.window_fill)  # just before the window
             true = torch.from_numpy(at) + (self.length - C)
             sel = self.remap.frame.rotate(sel, true, true - pages_at)
         self.select(sel.reshape(Hq * len(at), d), pages=self.spec.prefill_pages, prefill=True)

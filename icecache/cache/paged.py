@@ -135,21 +135,25 @@ def paged_decode_rest_reference(q, k, v, valid, groups, scaling, softcap=None):
     return torch.einsum("hgl,hld->hgd", probs, values).to(q.dtype)
 
 
-def paged_decode_rest(q, k, v, valid, groups, scaling, softcap=None):
+def paged_decode_rest(q, k, v, valid, groups, scaling, softcap=None, rest_q=None):
     """:func:`paged_decode_rest_reference`, computed without concatenating the rows: one score
     product per group (the bias added in the same call), one softmax over the joined scores, one
     product per group with its values (the fast path; at a few hundred estimate rows per head it
     costs a fraction of SDPA over a concatenated copy). ``softcap``: each score capped before its
-    bias (the group's score products then add the bias after the cap instead of in the call)."""
+    bias (the group's score products then add the bias after the cap instead of in the call).
+    ``rest_q`` (H, G, d): the query the estimate rows are scored with (default ``q``); with
+    remapped positions, ``q`` turned to the one distance they all sit at (their mean keys are
+    un-rotated), the same scores as the keys turned there."""
     H, G = q.shape[0], q.shape[1]
+    gq = q if rest_q is None else rest_q.to(q.dtype)
     scores = [soft_cap(torch.bmm(q, k.transpose(1, 2)).mul_(scaling), softcap).masked_fill_(~valid[:, None, :],
                                                                                            float("-inf"))]
     for gk, _gv, gb in groups:
         if softcap:
-            s = soft_cap(torch.bmm(q, gk.to(q.dtype)).mul_(scaling), softcap)
+            s = soft_cap(torch.bmm(gq, gk.to(q.dtype)).mul_(scaling), softcap)
             scores.append(s.add_(gb[:, None, :].to(q.dtype)))
         else:
-            scores.append(torch.baddbmm(gb[:, None, :].to(q.dtype).expand(H, G, gb.shape[1]), q,
+            scores.append(torch.baddbmm(gb[:, None, :].to(q.dtype).expand(H, G, gb.shape[1]), gq,
                                         gk.to(q.dtype), alpha=scaling))
     probs = torch.softmax(torch.cat(scores, -1), dim=-1)
     L = k.shape[1]

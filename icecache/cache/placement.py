@@ -3,7 +3,8 @@
 The host store holds keys un-rotated (position-free). At a step, the pool's rows are placed to
 end just before the window, the sink just before them, and the keys rotated there once; the
 query stays at its true position. The pool rows go in token order, one position apart, the
-pinned answer passages nearest the window (:func:`placing_order`, ``remap_pin_gap``).
+pinned answer passages nearest the window (:func:`placing_order`, ``remap_pin_gap``); on a
+model with sliding-window layers, beyond its window (:meth:`~.positions.Remap.pages_end`).
 """
 
 from __future__ import annotations

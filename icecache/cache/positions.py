@@ -167,11 +167,20 @@ class Remap:
 
     frame: RopeFrame
     # where pages from the host store sit: just beyond the window, the loaded rows of a head in
-    # token order from there on (one position each, the nearest first; :func:`ordered_offsets`)
+    # token order from there on (one position each, the nearest first; :func:`ordered_offsets`),
+    # and no nearer than ``page_distance``: the model's largest sliding window (0: none). Such a
+    # model's global layers were trained beside window layers that see every token that near,
+    # and Gemma 3's did not take a needle placed within its 512-token window (docs/results.md,
+    # "Gemma 3 270M past its trained context")
     page_distance: int
     # with pinned answer passages: the other pool rows (and the sink) sit ``pin_gap`` positions
     # farther back than the passages, as far as the trained context allows
     pin_gap: int = 0
+
+    def pages_end(self, length: int, window_fill: int) -> int:
+        """The position the loaded pages end at in a step of a layer holding ``length`` tokens
+        (the step's own included) whose window holds ``window_fill`` of them."""
+        return length - 1 - max(window_fill, self.page_distance)
 
     def query_regions(self, q: torch.Tensor, pos: int, sink_distance, distance: int) -> torch.Tensor:
         """A decode step's query heads ``q`` (heads, G, d) at true position ``pos`` -> (3, heads,

@@ -23,9 +23,9 @@ within their range, and the cap is monotone with slope at most 1, so the capped 
 within a range no wider around the capped mean; a page's log-weight error is at most that
 spread, as without the cap.
 
-Only with true positions: with remapped positions every page would sit at one distance just
-beyond the window, and the estimate of a 100k-token document's pages (thousands of rows there)
-buried the answer's passage (docs/results.md, "Accuracy beyond the trained context").
+With remapped positions the estimate rows sit at one position, just past the farthest placed
+row of the pool (:meth:`~.ice_step.DecodeStep.attend`), and only on a model with sliding-window
+layers (:func:`~.ice_step.attention_kind` says why).
 """
 
 from __future__ import annotations

@@ -152,7 +152,9 @@ class PagedKind(CacheKind):
         remap = None
         dense, clamp = dense_plan(method.name, model, settings, tokens, prompt_tokens)
         if not dense and positions(method.name, model, settings, tokens) == "remap":
-            remap = Remap(RopeFrame.from_model(model), page_distance=spec.window_slack,
+            frame = RopeFrame.from_model(model)
+            # beyond the largest sliding window, while that leaves half the trained context
+            remap = Remap(frame, page_distance=min(max(windows, default=0), frame.trained // 2),
                           pin_gap=settings.remap_pin_gap)
         return IceCache(layers, spec, dense_layers=layers if dense else settings.dense_layers,
                         reuse_every=(method.reuse_every or settings.reuse_every) if method.reuse else 1,
