@@ -49,7 +49,8 @@ class DCISettings:
     # beam keeps what an earlier, wider search found while the queries still want it
     carry_pages: int = 32
     # the tree pages a step does not load attend as one row each (their mean key and value,
-    # weighted by their member count; true positions only, :mod:`..rest`)
+    # weighted by their member count; under remapped positions only on a model with sliding-window
+    # layers, :mod:`..rest`)
     rest_estimate: bool = True
     # sparse prefill: nodes per level a chunk's search expands (0: index_beam)
     prefill_beam: int = 128
