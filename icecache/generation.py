@@ -95,8 +95,14 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     ``observation`` queries of each layer are kept for SnapKV and H2O (None: the settings'
     ``observation``; 0: none). ``new_tokens``: the generation to
     come (with ``rope_scaling``, the RoPE is chosen for prompt + generation, as a session does).
+
+    A sliding-window layer keeps only its window, as every method's cache does (:meth:`Session.adopt`
+    takes it so): its chunks attend over the window and the chunk, not over the whole prompt under
+    a mask that hides all but the window, and the copy handed over holds no rows the model never
+    reads again.
     """
     from .cache import DenseCache, record
+    from .cache.window import window_sizes
     from .methods import set_rope
 
     model = loaded.model
@@ -105,7 +111,8 @@ def prefill_once(loaded: LoadedModel, settings: Settings, ids: list[int], observ
     if model.config._attn_implementation != name:
         model.set_attn_implementation(name)
     record.start(settings.tuned("observation") if observation is None else observation)
-    cache = DenseCache(model.config.num_hidden_layers)
+    layers = model.config.num_hidden_layers
+    cache = DenseCache(layers, windows=window_sizes(model.config, layers))
     t0 = time.perf_counter()
     chunk = settings.chunk_size
     with prompt_products(prompt_half(settings, model.device)):

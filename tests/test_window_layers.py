@@ -135,6 +135,37 @@ def test_the_memory_estimate_counts_a_window_layer_as_its_window():
         assert (0.5 if method == "ice" else 1.0) < grew < 1.6
 
 
+def test_a_shared_prefill_keeps_each_window_layer_to_its_window(gemma, monkeypatch):
+    """The eval's shared prefill keeps a window layer's window only, and hands over what a prefill
+    keeping every row of every layer (the window layers then masked to their window) hands over:
+    the same last logits, global layers' rows, window layers' last rows and recorded queries."""
+    from types import SimpleNamespace
+
+    import icecache.cache as cache_pkg
+    from icecache.generation import prefill_once
+
+    loaded = SimpleNamespace(model=gemma, tokenizer=SimpleNamespace(eos_token_id=None), end_ids=frozenset())
+    windows = window_sizes(gemma.config, gemma.config.num_hidden_layers)
+    assert any(windows) and not all(windows)
+    kept = prefill_once(loaded, SETTINGS, PROMPT)
+
+    class EveryRow(cache_pkg.DenseCache):
+        def __init__(self, layers, decode_dtype=None, windows=None):
+            super().__init__(layers, decode_dtype, None)
+
+    monkeypatch.setattr(cache_pkg, "DenseCache", EveryRow)
+    every = prefill_once(loaded, SETTINGS, PROMPT)
+    assert torch.allclose(kept.logits, every.logits, atol=1e-4)
+    for w, (k, v), (k_all, v_all) in zip(windows, kept.kv, every.kv, strict=True):
+        assert k_all.shape[2] == len(PROMPT)
+        assert k.shape[2] == (w - 1 if w else len(PROMPT))  # transformers' window layer: w - 1 rows
+        for mine, theirs in ((k, k_all), (v, v_all)):
+            assert torch.allclose(mine, theirs[:, :, -mine.shape[2]:], atol=1e-5)
+    assert kept.obs_queries.keys() == every.obs_queries.keys()
+    for i, q in kept.obs_queries.items():
+        assert torch.allclose(q, every.obs_queries[i], atol=1e-5)
+
+
 @pytest.mark.parametrize("method", [pytest.param("full", marks=pytest.mark.slow), "ice",
                                     pytest.param("quest", marks=pytest.mark.slow)])
 def test_a_shared_prefill_adopted_with_window_layers_decodes_as_the_methods_own(gemma, method):
