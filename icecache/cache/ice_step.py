@@ -104,7 +104,7 @@ class DecodeStep:
             # remapped: the estimate rows sit together just past the farthest placed row of the
             # pool (their mean keys un-rotated: the query turns to that distance instead)
             k = place_keys(place[0], k, *place[1:])
-            far = self.length - 1 - pages_at + int(place[6].max())
+            far = self.length - 1 - pages_at + int(count.max())
             rest_q = self.remap.frame.rotate(q.reshape(-1, d), self.length - 1, far).view(q.shape)
             out = paged_decode_rest(q, k, v, valid, rest, scale, softcap, rest_q)
         elif rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
