@@ -26,9 +26,10 @@ import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -169,10 +170,12 @@ class DocCache:
         if any(k.shape[2] != n or v.shape[2] != n for (k, v), n in zip(kv, rows, strict=True)):
             raise ValueError("its tensors hold another number of tokens")
 
-    def load_entry(self, ids, device, check=None) -> tuple[dict, dict[str, torch.Tensor]] | None:
+    def load_entry(self, ids, device, check=None, lazy: bool = False) -> tuple[dict, Mapping[str, torch.Tensor]] | None:
         """The manifest and tensors saved for prefix ``ids`` (``check(manifest, tensors, ids)``
         may reject them by raising), or None, with a warning and the entry removed when it exists
-        but cannot be used."""
+        but cannot be used. ``lazy``: the tensors as :class:`SavedTensors` (on the CPU), each
+        read from the file when asked for, so that a caller copying them into its own arrays
+        holds the file's bytes once rather than twice."""
         entry = self.root / self.key(ids)
         if not (entry / MANIFEST).is_file():
             return None
@@ -184,9 +187,12 @@ class DocCache:
             path = entry / KV_FILE
             if path.stat().st_size != manifest["bytes"] or file_digest(path) != manifest["sha256"]:
                 raise ValueError("its tensors do not match their checksum")
-            from safetensors.torch import load_file
+            if lazy:
+                tensors = SavedTensors(path)
+            else:
+                from safetensors.torch import load_file
 
-            tensors = load_file(str(path), device=str(device))
+                tensors = load_file(str(path), device=str(device))
             if check is not None:
                 check(manifest, tensors, ids)
         except Exception as exc:  # noqa: BLE001  (any unreadable entry is rebuilt, never fatal)
@@ -317,3 +323,57 @@ def list_entries(root: Path) -> list[tuple[Path, int, float]]:
 def _reason(exc: Exception) -> str:
     text = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
     return text[:160]
+
+
+class SavedTensors(Mapping):
+    """The tensors of a safetensors file, each read from the file into a new CPU tensor when it
+    is asked for and held by no one here.
+
+    A sparse prefill's saved state is several GB (a 100k-token document of the embedded model:
+    7.3 GB, most of it the index's keys); reading it whole and then copying it into the cache's
+    capacity-sized arrays held both at once, the load's peak twice the state's size. Read one
+    tensor at a time, the copy's source lives only while it is copied."""
+
+    DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            if n > size - 8:
+                raise ValueError("its header runs past the file's end")
+            header = json.loads(f.read(n))
+        header.pop("__metadata__", None)
+        self.start = 8 + n
+        for name, info in header.items():
+            a, b = info["data_offsets"]
+            if info["dtype"] not in self.DTYPES or not 0 <= a <= b <= size - self.start:
+                raise ValueError(f"its tensor {name} has an unknown type or lies outside the file")
+        self.header = header
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        import torch
+
+        info = self.header[name]
+        a, b = info["data_offsets"]
+        out = torch.empty(info["shape"], dtype=getattr(torch, self.DTYPES[info["dtype"]]))
+        if out.numel() * out.element_size() != b - a:
+            raise ValueError(f"its tensor {name} holds {b - a} bytes for shape {info['shape']}")
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())
+        with open(self.path, "rb", buffering=0) as f:
+            f.seek(self.start + a)
+            done = 0
+            while done < len(view):
+                got = f.readinto(view[done:])
+                if not got:
+                    raise ValueError(f"its tensor {name} is cut short")
+                done += got
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.header)
+
+    def __len__(self) -> int:
+        return len(self.header)

@@ -78,7 +78,7 @@ class DocPrefixes:
                 self.cache.update(k, v, i)
                 seen(self.cache.layers[i], n)  # a window layer's entry holds its window of the prefix
         else:
-            got = dc.load_entry(ids[:n], "cpu")
+            got = dc.load_entry(ids[:n], "cpu", lazy=True)
             if got is None:
                 return False
             cache = self._new_cache(len(ids))

@@ -154,6 +154,64 @@ def test_state_of_a_cache_saves_and_restores_exactly(loaded):
                 [[p.tolist() for p in x.selected] for x in twin.ice_layers()]
 
 
+
+def test_saved_tensors_read_one_at_a_time_equal_safetensors_own_reader(tmp_path):
+    """:class:`SavedTensors` (the sparse state's reader: one tensor at a time, read into a new
+    tensor) gives what safetensors' ``load_file`` gives, for every type the state saves and for
+    empty and scalar tensors; a file whose header or data is cut short is refused."""
+    from safetensors.torch import load_file, save_file
+
+    from icecache.doc_cache import SavedTensors
+
+    g = torch.Generator().manual_seed(3)
+    tensors = {
+        "f32": torch.randn(5, 7, generator=g), "f16": torch.randn(9, generator=g).half(),
+        "bf16": torch.randn(3, 4, 2, generator=g).bfloat16(), "i64": torch.arange(-5, 6),
+        "i32": torch.arange(12, dtype=torch.int32).reshape(3, 4), "i16": torch.tensor([-3, 7], dtype=torch.int16),
+        "i8": torch.tensor([[-128, 127, 0]], dtype=torch.int8), "u8": torch.tensor([255, 1], dtype=torch.uint8),
+        "bool": torch.tensor([True, False, True]), "f64": torch.tensor(2.5, dtype=torch.float64),
+        "empty": torch.empty(0, 64),
+    }
+    path = tmp_path / "t.safetensors"
+    save_file(tensors, str(path))
+    want, got = load_file(str(path)), SavedTensors(path)
+    assert sorted(got) == sorted(want) and len(got) == len(want)
+    for name, t in want.items():
+        assert got[name].dtype == t.dtype and got[name].shape == t.shape and torch.equal(got[name], t), name
+    data = path.read_bytes()
+    (tmp_path / "cut.safetensors").write_bytes(data[:-10])  # the last tensor's bytes cut short
+    with pytest.raises(ValueError, match="outside the file"):
+        SavedTensors(tmp_path / "cut.safetensors")
+    (tmp_path / "head.safetensors").write_bytes(data[:20])  # the header cut short
+    with pytest.raises(ValueError):
+        SavedTensors(tmp_path / "head.safetensors")
+
+
+def test_state_read_back_from_its_file_decodes_as_the_original(loaded, tmp_path):
+    """The state saved to a file and read back through :class:`SavedTensors` restores a cache
+    that decodes as the one saved (the path a document cache's sparse entry takes)."""
+    from safetensors.torch import save_file
+
+    from icecache.cache.state import load_layers, save_layers
+    from icecache.doc_cache import SavedTensors
+    from icecache.methods import make_cache
+
+    settings = SETTINGS.replace(prefill="sparse")
+    model, ids = loaded.model, prompt()
+    with torch.inference_mode():
+        cache = make_cache("ice", model, settings)
+        cache.begin_prefill(len(ids))
+        for lo in range(0, len(ids), settings.chunk_size):
+            model(input_ids=torch.tensor([ids[lo : lo + settings.chunk_size]]), past_key_values=cache, use_cache=True)
+        skeleton, tensors = save_layers(cache)
+        save_file(tensors, str(tmp_path / KV_FILE))
+        twin = make_cache("ice", model, settings)
+        load_layers(twin, json.loads(json.dumps(skeleton)), SavedTensors(tmp_path / KV_FILE))
+        for t in [3, 14, 15, 92, 6, 5, 3, 5]:
+            a = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
+            b = model(input_ids=torch.tensor([[t]]), past_key_values=twin, use_cache=True).logits
+            assert torch.equal(a, b)
+
 def _entry(root):
     (entry, _, _), = list_entries(root)
     return entry

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
@@ -152,7 +153,7 @@ def _class(path: str):
 
 
 class _Unpacker:
-    def __init__(self, cache, tensors: dict[str, torch.Tensor]):
+    def __init__(self, cache, tensors: Mapping[str, torch.Tensor]):
         self.cache, self.tensors = cache, tensors
         self.objects: dict[int, Any] = {}
         self.storages: dict[tuple, torch.Tensor] = {}
@@ -228,7 +229,7 @@ def save_layers(cache) -> tuple[dict, dict[str, torch.Tensor]]:
     return {"layers": layers, "stats": p.pack(dataclasses.asdict(cache.stats))}, p.tensors
 
 
-def load_layers(cache, skeleton: dict, tensors: dict[str, torch.Tensor]) -> None:
+def load_layers(cache, skeleton: dict, tensors: Mapping[str, torch.Tensor]) -> None:
     """Restore :func:`save_layers`' state into ``cache``, a fresh cache of the same settings."""
     if len(skeleton["layers"]) != len(cache.layers):
         raise StateError("the saved cache has another number of layers")
