@@ -59,6 +59,7 @@ class _Packer:
         self.tensors: dict[str, torch.Tensor] = {}
         self.storages: dict[tuple, str] = {}
         self.memo: dict[int, int] = {}  # id(obj) -> object number (shared references)
+        self.arrays: dict[int, dict] = {}  # id(array) -> its entry (an array held in two places)
         self.keep: list = []  # objects kept alive while packing (their ids stay unique)
 
     def storage(self, t: torch.Tensor) -> dict:
@@ -71,7 +72,7 @@ class _Packer:
             flat.set_(s, 0, (s.nbytes() // t.element_size(),), (1,))
             flat = flat.detach().to("cpu")
             rows, fill = _trailing(flat.numpy() if flat.dtype != torch.bfloat16 else flat.view(torch.int16).numpy())
-            self.tensors[name] = flat[:rows].clone()
+            self.tensors[name] = flat[:rows]  # a view: see save_layers
             got = self.storages[key] = {"tensor": name, "rows": len(flat), "fill": fill}
         return got
 
@@ -85,12 +86,20 @@ class _Packer:
             return {**self.storage(v), "offset": v.storage_offset(), "shape": list(v.shape),
                     "stride": list(v.stride()), "device": str(v.device), "dtype": str(v.dtype)}
         if isinstance(v, np.ndarray):
+            got = self.arrays.get(id(v))
+            if got is not None:
+                return got
             name = f"a{len(self.tensors)}"
             a = np.ascontiguousarray(v)
             a = a.astype(np.uint8) if a.dtype == np.bool_ else a
             rows, fill = _trailing(a) if a.ndim else (0, None)
-            self.tensors[name] = torch.from_numpy(a[:rows].copy() if a.ndim else a.reshape(1).copy())
-            return {"array": name, "dtype": v.dtype.str, "shape": list(v.shape), "fill": fill}
+            # an array owning its memory is saved as a view of its used rows (see save_layers);
+            # a view of another buffer is copied, as two of them may overlap
+            owns = a.base is None and a.ndim
+            self.tensors[name] = torch.from_numpy(a[:rows] if owns else a[:rows].copy() if a.ndim else a.reshape(1).copy())
+            got = self.arrays[id(v)] = {"array": name, "dtype": v.dtype.str, "shape": list(v.shape), "fill": fill}
+            self.keep.append(v)
+            return got
         if isinstance(v, np.generic):
             return {"np": v.dtype.str, "value": self.pack(v.item())}
         if isinstance(v, np.random.Generator):
@@ -221,7 +230,12 @@ class _Unpacker:
 
 def save_layers(cache) -> tuple[dict, dict[str, torch.Tensor]]:
     """The state of every layer of ``cache`` (after its background work): a JSON-able skeleton
-    and the tensors it names."""
+    and the tensors it names.
+
+    The tensors are views onto the cache's own buffers where they can be (their used rows), not
+    copies: a 100k-token document's state is several GB, and a copy held beside the cache while
+    the file is written took the save's peak memory past the profile's 16 GiB. So write them (or
+    copy them) before the cache changes again."""
     for layer in cache.ice_layers():
         layer.wait()
     p = _Packer(cache)
