@@ -128,10 +128,15 @@ def test_sparse_state_serves_another_budget_within_the_chunks_pool(loaded, tmp_p
     assert stats.prefix_cached_tokens == 0
 
 
-def test_state_of_a_cache_saves_and_restores_exactly(loaded):
+def test_state_of_a_cache_saves_and_restores_exactly(loaded, tmp_path):
     """save_layers / load_layers alone: a restored copy of a prefilled cache decodes exactly as
-    the original (tokens and selected pages at every step)."""
+    the original (tokens and selected pages at every step), restored from the tensors as held
+    and from their file read back one tensor at a time (:class:`SavedTensors`, the document
+    cache's path)."""
+    from safetensors.torch import save_file
+
     from icecache.cache.state import load_layers, save_layers
+    from icecache.doc_cache import SavedTensors
     from icecache.methods import make_cache
 
     settings = SETTINGS.replace(prefill="sparse")
@@ -144,15 +149,17 @@ def test_state_of_a_cache_saves_and_restores_exactly(loaded):
             model(input_ids=torch.tensor([ids[lo : lo + settings.chunk_size]]), past_key_values=cache, use_cache=True)
         skeleton, tensors = save_layers(cache)
         json.dumps(skeleton)  # JSON as it is
-        twin = make_cache("ice", model, settings)
-        load_layers(twin, skeleton, tensors)
+        save_file(tensors, str(tmp_path / KV_FILE))
+        twins = [make_cache("ice", model, settings) for _ in range(2)]
+        load_layers(twins[0], skeleton, tensors)
+        load_layers(twins[1], skeleton, SavedTensors(tmp_path / KV_FILE))
         for t in [3, 14, 15, 92, 6, 5, 3, 5, 8, 9, 7, 9, 3, 2, 3, 8, 4, 6]:
             a = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
-            b = model(input_ids=torch.tensor([[t]]), past_key_values=twin, use_cache=True).logits
-            assert torch.equal(a, b)
-            assert [[p.tolist() for p in x.selected] for x in cache.ice_layers()] == \
-                [[p.tolist() for p in x.selected] for x in twin.ice_layers()]
-
+            pages = [[p.tolist() for p in x.selected] for x in cache.ice_layers()]
+            for twin in twins:
+                b = model(input_ids=torch.tensor([[t]]), past_key_values=twin, use_cache=True).logits
+                assert torch.equal(a, b)
+                assert pages == [[p.tolist() for p in x.selected] for x in twin.ice_layers()]
 
 
 def test_saved_tensors_read_one_at_a_time_equal_safetensors_own_reader(tmp_path):
@@ -186,31 +193,6 @@ def test_saved_tensors_read_one_at_a_time_equal_safetensors_own_reader(tmp_path)
     with pytest.raises(ValueError):
         SavedTensors(tmp_path / "head.safetensors")
 
-
-def test_state_read_back_from_its_file_decodes_as_the_original(loaded, tmp_path):
-    """The state saved to a file and read back through :class:`SavedTensors` restores a cache
-    that decodes as the one saved (the path a document cache's sparse entry takes)."""
-    from safetensors.torch import save_file
-
-    from icecache.cache.state import load_layers, save_layers
-    from icecache.doc_cache import SavedTensors
-    from icecache.methods import make_cache
-
-    settings = SETTINGS.replace(prefill="sparse")
-    model, ids = loaded.model, prompt()
-    with torch.inference_mode():
-        cache = make_cache("ice", model, settings)
-        cache.begin_prefill(len(ids))
-        for lo in range(0, len(ids), settings.chunk_size):
-            model(input_ids=torch.tensor([ids[lo : lo + settings.chunk_size]]), past_key_values=cache, use_cache=True)
-        skeleton, tensors = save_layers(cache)
-        save_file(tensors, str(tmp_path / KV_FILE))
-        twin = make_cache("ice", model, settings)
-        load_layers(twin, json.loads(json.dumps(skeleton)), SavedTensors(tmp_path / KV_FILE))
-        for t in [3, 14, 15, 92, 6, 5, 3, 5]:
-            a = model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits
-            b = model(input_ids=torch.tensor([[t]]), past_key_values=twin, use_cache=True).logits
-            assert torch.equal(a, b)
 
 def _entry(root):
     (entry, _, _), = list_entries(root)

@@ -234,7 +234,7 @@ def save_layers(cache) -> tuple[dict, dict[str, torch.Tensor]]:
 
     The tensors are views onto the cache's own buffers where they can be (their used rows), not
     copies: a 100k-token document's state is several GB, and a copy held beside the cache while
-    the file is written took the save's peak memory past the profile's 16 GiB. So write them (or
+    the file was written took the save's peak memory to the profile's 16 GiB. So write them (or
     copy them) before the cache changes again."""
     for layer in cache.ice_layers():
         layer.wait()
