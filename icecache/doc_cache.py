@@ -332,7 +332,10 @@ class SavedTensors(Mapping):
     A sparse prefill's saved state is several GB (a 100k-token document of the embedded model:
     7.3 GB, most of it the index's keys); reading it whole and then copying it into the cache's
     capacity-sized arrays held both at once, the load's peak twice the state's size. Read one
-    tensor at a time, the copy's source lives only while it is copied."""
+    tensor at a time, the copy's source lives only while it is copied. Not safetensors'
+    ``safe_open``: it maps the file, and every page read stays in the process's resident set
+    while the file is open (reading that 7.3 GB state tensor by tensor: peak RSS 7.1 GiB through
+    ``safe_open``, 0.4 GiB here)."""
 
     DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
               "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}

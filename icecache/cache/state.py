@@ -93,10 +93,13 @@ class _Packer:
             a = np.ascontiguousarray(v)
             a = a.astype(np.uint8) if a.dtype == np.bool_ else a
             rows, fill = _trailing(a) if a.ndim else (0, None)
-            # an array owning its memory is saved as a view of its used rows (see save_layers);
-            # a view of another buffer is copied, as two of them may overlap
-            owns = a.base is None and a.ndim
-            self.tensors[name] = torch.from_numpy(a[:rows] if owns else a[:rows].copy() if a.ndim else a.reshape(1).copy())
+            if not a.ndim:
+                saved = a.reshape(1).copy()
+            elif a.base is None:  # an array owning its memory: a view of its used rows (see save_layers)
+                saved = a[:rows]
+            else:  # a view of another buffer is copied: two such views may overlap
+                saved = a[:rows].copy()
+            self.tensors[name] = torch.from_numpy(saved)
             got = self.arrays[id(v)] = {"array": name, "dtype": v.dtype.str, "shape": list(v.shape), "fill": fill}
             self.keep.append(v)
             return got
