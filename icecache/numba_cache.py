@@ -25,6 +25,7 @@ KERNEL_FILES = (
     "cache/score_kernels.py",
     "fused_step.py",
     "index/kernels/build.py",
+    "index/kernels/pairs.py",
     "index/kernels/pages.py",
     "index/kernels/query.py",
     "index/kernels/refine.py",

@@ -638,9 +638,7 @@ def test_pick_kernel_equals_the_numpy_reference(walk_keys):
         extra = tree.live_pages()[i::7][:5] if i % 2 else None
         rows = tree.scanned(q, 0.0, extra)
         partial += len(rows) < tree.n
-        walk, steps = tree.walk_keys()
-        at = tree.tok_page[rows], tree.tok_slot[rows]
-        keys = walk[at][:, :d].astype(np.float64) * (steps[at][:, None] if walk_keys == "int8" else 1.0)
+        keys = tree.walk_rows(rows)
         weight = dict(zip(rows.tolist(), group_weights(q, keys, d ** -0.5), strict=True))
         for take in (8, 50, 10_000):
             pages, got = tree.pick_group(q, take, 10, 0.0, extra)

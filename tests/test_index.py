@@ -697,15 +697,20 @@ def check_int8_copy(t: DCITree) -> None:
     """Every live page's int8 copy is its float keys rounded: ``step = max |k| / 127`` a key and
     each element within half a step of the key's own (the transform's last coordinate left out)."""
     live = t.live_pages()
-    assert t.K8.shape == (t.pcap, t.cfg.page_size, t.d) and t.K8_steps.shape == (t.pcap, t.cfg.page_size)
+    pairs, rows = (t.d + 1) // 2, -(-t.cfg.page_size // 8) * 8
+    assert t.K8.shape == (t.pcap, pairs, rows, 2) and t.K8_steps.shape == (t.pcap, t.cfg.page_size)
     for p in live:
         c = t.count[p]
         keys = t.PX[p, :c, : t.d].astype(np.float64)
         steps = t.K8_steps[p, :c].astype(np.float64)
         top = np.abs(keys).max(1)
         np.testing.assert_allclose(steps, np.where(top > 0, top / 127, 1.0), rtol=1e-6)
-        err = np.abs(t.K8[p, :c].astype(np.float64) * steps[:, None] - keys)
+        # coordinate j of slot s at K8[p, j // 2, s, j % 2]; an odd head_dim's last pair ends in 0
+        by_slot = t.K8[p].transpose(1, 0, 2).reshape(rows, 2 * pairs)
+        assert (by_slot[:c, t.d:] == 0).all()
+        err = np.abs(by_slot[:c, : t.d].astype(np.float64) * steps[:, None] - keys)
         assert (err <= steps[:, None] * (0.5 + 1e-5)).all()
+        np.testing.assert_array_equal(t.walk_rows(t.members[p, :c]), by_slot[:c, : t.d] * steps[:, None])
 
 
 @pytest.mark.parametrize("pages", ["projection", "similar"])
@@ -731,31 +736,77 @@ def test_int8_walk_keys_follow_every_insert_and_refinement(pages):
     assert f.K8.shape[0] == 0 and f.walk_keys()[0] is f.PX
 
 
-@pytest.mark.parametrize("group", [1, 3, 4, 6, 7])
-def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys(group):
+def rounded_query(q: np.ndarray) -> np.ndarray:
+    """A query as the int8 walk scores it: its unit vector rounded to int16 with a step of
+    max|v| / 32767 (the step times the int16 values), times its norm: float64."""
+    v = q.astype(np.float32) / np.float32(max(np.sqrt(np.sum(q.astype(np.float32) ** 2)), 1e-12))
+    top = np.float32(np.abs(v).max())
+    step = np.float32(top / np.float32(32767))
+    ints = np.clip(np.round(v * (np.float32(32767) / top)), -32767, 32767)
+    return ints.astype(np.float64) * float(step) * float(np.linalg.norm(q.astype(np.float64)))
+
+
+@pytest.mark.parametrize("group", [1, 3, 4, 5, 6, 7, 9])
+@pytest.mark.parametrize("d", [16, 7])
+def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys(group, d):
     """A full-beam walk over the int8 copy ranks points and pages exactly as exact search over the
-    rounded keys does (step x int8 row); its scores are within the rounding's bound of the float
-    ones, and differ from them (so the walk did read the copy). Groups of queries that the scan
-    takes three at a time, four at a time, and four with repeats (1, 6: two left over)."""
-    keys = clustered(2000, seed=5)
-    t = DCITree(16, IndexConfig(page_size=8, beam=10_000, ratio_bottom=0.05, walk_keys="int8"))
+    rounded keys (step x int8 row) against the rounded query (its unit vector in int16) does;
+    its scores are within the rounding's bound of the float ones, and differ from them (so the
+    walk did read the copy). Groups of queries that the integer sums take four at a time with
+    one, two or three left over, and an odd head_dim (the last pair of coordinates half empty)."""
+    keys = clustered(2000, d=d, seed=5)
+    t = DCITree(d, IndexConfig(page_size=8, beam=10_000, ratio_bottom=0.05, walk_keys="int8"))
     t.insert(keys)
-    at = t.tok_page[: t.n], t.tok_slot[: t.n]
-    rounded = t.K8[at].astype(np.float32) * t.K8_steps[at][:, None]
-    queries = clustered(group, seed=9)
+    rounded = t.walk_rows(np.arange(t.n))
+    queries = clustered(group, d=d, seed=9)
     ids, scores = t.search_group(queries, 32)
     differ = False
     for r, q in enumerate(queries):
-        assert set(ids[r].tolist()) == set(exact_topk(rounded, q, 32).tolist())
-        np.testing.assert_allclose(scores[r], rounded[ids[r]] @ q, rtol=1e-4, atol=1e-3)
+        qr = rounded_query(q)
+        assert set(ids[r].tolist()) == set(exact_topk(rounded, qr, 32).tolist())
+        np.testing.assert_allclose(scores[r], rounded[ids[r]] @ qr, rtol=1e-5, atol=1e-4)
         bound = t.K8_steps[t.tok_page[ids[r]], t.tok_slot[ids[r]]] / 2 * np.abs(q).sum() + 1e-3
         assert (np.abs(scores[r] - keys[ids[r]] @ q) <= bound).all()
         differ |= not np.allclose(scores[r], keys[ids[r]] @ q, rtol=1e-6, atol=0)
     assert differ
     got = t.select_group(queries, 64, 6)
     ref = merge_group_pages(
-        [ranked_pages(exact_topk(rounded, q, 64).astype(np.int32), t.tok_page, 6) for q in queries], 6)
+        [ranked_pages(exact_topk(rounded, rounded_query(q), 64).astype(np.int32), t.tok_page, 6) for q in queries], 6)
     assert got.tolist() == ref.tolist()
+
+
+def test_the_integer_block_sums_are_the_int64_dot_products():
+    """The walk's integer sums (vpmaddwd on AVX2, plain vector arithmetic elsewhere) against
+    NumPy's int64 products of the pair copy and the int16 queries, every group size a call
+    takes, extreme values included (127 x 32767 over 256 coordinates stays exact in int32)."""
+    from numba import njit
+
+    from icecache.index.kernels.pairs import BLOCK, MAX_GROUP, block_sums, reference_sums
+
+    @njit(cache=False)
+    def all_sums(keys, q, out):
+        acc = np.empty((MAX_GROUP, BLOCK), np.int32)
+        for pg in range(keys.shape[0]):
+            for b in range(keys.shape[2] // BLOCK):
+                g0 = 0
+                while g0 < q.shape[0]:
+                    nq = min(MAX_GROUP, q.shape[0] - g0)
+                    block_sums(keys, pg, b, q, g0, nq, acc)
+                    for r in range(nq):
+                        for i in range(BLOCK):
+                            out[pg, b * BLOCK + i, g0 + r] = acc[r, i]
+                    g0 += nq
+
+    rng = np.random.default_rng(4)
+    for pairs, rows, g in ((32, 16, 3), (4, 8, 7), (128, 24, 5), (1, 8, 1)):
+        keys = rng.integers(-127, 128, (5, pairs, rows, 2)).astype(np.int8)
+        q = rng.integers(-32767, 32768, (g, pairs, 2)).astype(np.int16)
+        keys[0] = 127
+        q[0] = 32767
+        keys[1] = -127
+        out = np.zeros((5, rows, g), np.int32)
+        all_sums(keys, q, out)
+        assert np.array_equal(out.astype(np.int64), reference_sums(keys, q))
 
 
 @pytest.mark.parametrize("walk_keys", ["float32", "int8"])
@@ -775,6 +826,53 @@ def test_select_layer_with_either_walk_keys_equals_per_tree_selection(walk_keys)
         want = [t.select_group(queries[h], 48, 6, extra=None if ex is None else ex[h]) for h, t in enumerate(trees)]
         got = select_layer(trees, queries, 48, 6, extra=ex)
         assert [g.tolist() for g in got] == [w.tolist() for w in want]
+
+
+def test_a_layer_walk_keeps_its_arguments_only_while_its_trees_stay_the_same():
+    """The layer's walk keeps the numba call's arguments between steps (:class:`walk._Walk`):
+    taken again when a tree changes (an insert that grows its arrays, a refinement), when a
+    tree of the layer is another object (a forked copy's, a new one), or when a call carries
+    more pages than it has room for; each time the pages are each tree's own selection."""
+    import copy
+
+    from icecache.index import walk
+
+    def trees_of(seed):
+        out = []
+        for h, n in enumerate((3000, 2000, 4000)):
+            t = DCITree(16, IndexConfig(page_size=8, beam=5, walk_keys="int8", refine=1, refine_min=64))
+            t.insert(clustered(n, seed=seed + h))
+            out.append(t)
+        return out
+
+    trees = trees_of(40)
+    queries = np.stack([clustered(3, seed=50 + h) for h in range(3)])
+
+    def check(ts, extra=None):
+        want = [t.select_group(queries[h], 48, 6, extra=None if extra is None else extra[h]) for h, t in enumerate(ts)]
+        got = walk.select_layer(ts, queries, 48, 6, extra=extra)
+        assert [g.tolist() for g in got] == [w.tolist() for w in want]
+        return walk._walks[ts[0]]
+
+    kept = check(trees)
+    assert check(trees) is kept  # nothing changed: the same arguments
+    pcap = trees[1].pcap
+    trees[1].insert(clustered(2500, seed=60))
+    assert trees[1].pcap > pcap  # its arrays grew
+    kept, before = check(trees), kept
+    assert kept is not before
+    trees[2].refine(None, 1)
+    kept, before = check(trees), kept
+    assert kept is not before
+    forked = copy.deepcopy(trees)
+    forked[0].insert(clustered(40, seed=61))
+    check(forked)
+    assert check(trees) is kept  # the originals' own arguments still
+    other = trees[:2] + trees_of(70)[2:]
+    assert check(other) is not kept
+    extra = [t.live_pages()[: 3 + 4 * h] for h, t in enumerate(trees)]
+    check(trees, extra)
+    assert walk._walks[trees[0]].extras.shape[1] >= 11
 
 
 def test_a_tree_without_an_int8_copy_makes_it_at_its_first_walk():

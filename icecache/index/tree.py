@@ -25,6 +25,7 @@ import numpy as np
 
 from . import kernels, walk
 from .config import IndexConfig
+from .kernels.pairs import pair_rows
 from .place import EXACT_PARENT_PAIRS as EXACT_PARENT_PAIRS  # still importable from here
 from .place import place_level
 from .refine import refine_bottom
@@ -64,11 +65,15 @@ class DCITree:
         self._alloc_pages(max(16, capacity * 5 // (4 * self.cfg.page_size)))
 
     # the walks' int8 copy (walk_keys: int8) where a saved tree has none: none (_walk_copy makes it)
-    K8 = np.zeros((0, 1, 1), np.int8)
+    K8 = np.zeros((0, 1, 1, 2), np.int8)
     K8_steps = np.zeros((0, 1), np.float32)
 
     # -- copies -----------------------------------------------------------------------------
     _shared = False  # arrays shared with a copy (:meth:`__deepcopy__`): copied before any write
+    # Raised by every change (an insert, a refinement, a copy of shared arrays, the int8 copy
+    # made): a layer's walk keeps this tree's arrays between steps while it stays the same
+    # (:mod:`.walk`)
+    version = 0
 
     def __deepcopy__(self, memo) -> DCITree:
         """A copy that shares this tree's arrays until either side inserts or refines.
@@ -85,7 +90,9 @@ class DCITree:
         return twin
 
     def _own(self) -> None:
-        """Before a write: this tree's own copy of whatever it still shares."""
+        """Before a write: this tree's own copy of whatever it still shares (the version raised:
+        every write starts here)."""
+        self.version += 1
         if self._shared:
             state = {k: v for k, v in vars(self).items() if k != "_shared"}
             self.__dict__.update(copy.deepcopy(state))
@@ -123,10 +130,11 @@ class DCITree:
         self.lo = np.zeros(pcap, np.float32)
         self.hi = np.zeros(pcap, np.float32)
         self.dirty = np.zeros(pcap, np.bool_)
-        # ``walk_keys: int8``: the keys again, rounded to int8 with a step a key, for the walks
-        # to read (quantize_pages); no rows where the walks read PX
+        # ``walk_keys: int8``: the keys again, rounded to int8 with a step a key and laid out by
+        # pairs of coordinates, for the walks to read (quantize_pages); no rows where the walks
+        # read PX
         rows = pcap if self.cfg.walk_keys == "int8" else 0
-        self.K8 = np.zeros((rows, S, self.d), np.int8)
+        self.K8 = np.zeros((rows, *self._pair_shape()), np.int8)
         self.K8_steps = np.zeros((rows, S), np.float32)
         self.pcap = pcap
 
@@ -280,13 +288,28 @@ class DCITree:
         saved by a run that did not keep one)."""
         if self.cfg.walk_keys != "int8":
             return False
-        if self.K8.shape[0] != self.pcap:
+        if self.K8.shape != (self.pcap, *self._pair_shape()):  # (or laid out by rows, as it once was)
             S = self.cfg.page_size
-            self.K8 = np.zeros((self.pcap, S, self.d), np.int8)
+            self.version += 1
+            self.K8 = np.zeros((self.pcap, *self._pair_shape()), np.int8)
             self.K8_steps = np.zeros((self.pcap, S), np.float32)
             kernels.quantize_pages(np.arange(self.npages, dtype=np.int32), self.PX, self.count, self.K8,
                                    self.K8_steps)
         return True
+
+    def _pair_shape(self) -> tuple[int, int, int]:
+        """A page of the int8 copy: (pairs of coordinates, rows, 2), :mod:`.kernels.pairs`."""
+        return (self.d + 1) // 2, pair_rows(self.cfg.page_size), 2
+
+    def walk_rows(self, ids: np.ndarray) -> np.ndarray:
+        """The keys of points ``ids`` as a shared walk reads them, (len(ids), head_dim) float64:
+        the int8 copy times its steps (``walk_keys: int8``), else the float keys."""
+        page, slot = self.tok_page[ids], self.tok_slot[ids]
+        if not self._walk_copy():
+            return self.PX[page, slot, : self.d].astype(np.float64)
+        pairs = self._pair_shape()[0]
+        rounded = self.K8[page, :, slot].reshape(len(page), 2 * pairs)[:, : self.d]
+        return rounded.astype(np.float64) * self.K8_steps[page, slot][:, None]
 
     def _requantize(self, pages: np.ndarray) -> None:
         """The int8 copy of ``pages`` (changed ones) made again from their float keys."""

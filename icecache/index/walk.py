@@ -4,6 +4,7 @@ KV heads walked in parallel by one numba call (:func:`select_layer`)."""
 from __future__ import annotations
 
 import threading
+import weakref
 
 import numpy as np
 
@@ -88,29 +89,64 @@ def _layer(trees, queries, k, max_pages, wide, extra, take):
         return [g[0] for g in got], [g[1] for g in got]
     if any(e is not None and len(e) for e in extra) and k < max_pages * trees[0].cfg.page_size:
         raise ValueError("extra pages need the shared walk's page path")
-    n_extra = np.array([0 if e is None else len(e) for e in extra], np.int64)
-    extras = np.zeros((H, max(1, int(n_extra.max()))), np.int32)
-    for h, e in enumerate(extra):
-        extras[h, : n_extra[h]] = e if e is not None else ()
     queries = np.ascontiguousarray(queries, dtype=np.float32)
     g = queries.shape[1]
-    beams = np.array([t.beam_for(wide) for t in trees], np.int64)
-    out = np.empty((H, max_pages), np.int32)
-    lens = np.zeros(H, np.int64)
-    ok = np.zeros(H, np.bool_)
-    tok_out = np.empty((H, max(1, take)), np.int32)
-    tok_lens = np.zeros(H, np.int64)
-    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(beams[h] + n_extra[h]), g), slot=h)
+    width = max(0 if e is None else len(e) for e in extra)
+    w = _walks.get(trees[0])
+    if w is None or not w.fits(trees, (g, max_pages, take, wide), width):
+        w = _walks[trees[0]] = _Walk(trees, (g, max_pages, take, wide), width)
+    for h, e in enumerate(extra):
+        n = w.n_extra[h] = 0 if e is None else len(e)
+        if n:
+            w.extras[h, :n] = e
+    scratch = [group_scratch(t.n, g, walk_rows(t.n, int(w.beams[h] + w.n_extra[h]), g), slot=h)
                for h, t in enumerate(trees)]
-    keys = [t.walk_keys() for t in trees]
-    kernels.select_heads_shared(
-        queries, k, max_pages, beams, tuple(w[0] for w in keys), tuple(w[1] for w in keys),
-        np.array([t.top_level for t in trees], np.int64), tuple(t.first_page for t in trees),
-        tuple(t.next_page for t in trees), tuple(t.members for t in trees),
-        tuple(t.count for t in trees), tuple(t.node_size for t in trees),
-        tuple(t.tok_page for t in trees), tuple(s[0] for s in scratch), tuple(s[1] for s in scratch),
-        tuple(s[2] for s in scratch), tuple(s[3] for s in scratch), out, lens, ok, extras, n_extra,
-        tuple(t.owner for t in trees), *trees[0].merge_args(), take, tok_out, tok_lens)
+    out, lens, ok, tok_out, tok_lens = w.out
+    kernels.select_heads_shared(queries, k, max_pages, w.beams, *w.keys, w.top_levels, *w.links, *zip(*scratch, strict=True),
+                                out, lens, ok, w.extras, w.n_extra, w.owners, *w.merge, take, tok_out, tok_lens)
     # a head whose scratch was too short walks again alone, with room to grow
     got = [(out[h, : lens[h]].copy(), tok_out[h, : tok_lens[h]].copy()) if ok[h] else alone(h) for h in range(H)]
     return [g[0] for g in got], [g[1] for g in got]
+
+
+class _Walk:
+    """What a layer's parallel walk hands numba that lasts from one step to the next: its trees'
+    arrays as tuples by head, their beams and top levels, the output and carried-page arrays.
+
+    Put together afresh at every call, these took about 20 us of Python a layer with warm caches
+    and 76 us within a decode step (28 layers: 2 ms a token at 16k, beside a walk of about
+    200 us a layer); kept, a call checks that its trees are the same objects at the same
+    :attr:`~.tree.DCITree.version` (raised by every change to a tree) and the call the same
+    shape. The scratch is still taken per call (:func:`group_scratch`: this thread's, grown as
+    needed, and its node marks are what the token packing reads after the walk).
+    """
+
+    def __init__(self, trees: list, shape: tuple, width: int):
+        keys = [t.walk_keys() for t in trees]  # (which may make a tree's int8 copy: first)
+        H, (_, max_pages, take, wide) = len(trees), shape
+        self.refs = tuple(weakref.ref(t) for t in trees)
+        self.versions = tuple(t.version for t in trees)
+        self.shape = shape
+        self.keys = tuple(w[0] for w in keys), tuple(w[1] for w in keys)
+        self.beams = np.array([t.beam_for(wide) for t in trees], np.int64)
+        self.top_levels = np.array([t.top_level for t in trees], np.int64)
+        self.links = (tuple(t.first_page for t in trees), tuple(t.next_page for t in trees),
+                      tuple(t.members for t in trees), tuple(t.count for t in trees),
+                      tuple(t.node_size for t in trees), tuple(t.tok_page for t in trees))
+        self.owners = tuple(t.owner for t in trees)
+        self.merge = trees[0].merge_args()
+        self.out = (np.empty((H, max_pages), np.int32), np.zeros(H, np.int64), np.zeros(H, np.bool_),
+                    np.empty((H, max(1, take)), np.int32), np.zeros(H, np.int64))
+        self.extras = np.zeros((H, max(1, width)), np.int32)
+        self.n_extra = np.zeros(H, np.int64)
+
+    def fits(self, trees: list, shape: tuple, width: int) -> bool:
+        """Whether this walk's arrays are those of ``trees`` now, for a call of ``shape`` with up
+        to ``width`` carried pages a head."""
+        return (shape == self.shape and width <= self.extras.shape[1] and len(trees) == len(self.refs)
+                and all(r() is t for r, t in zip(self.refs, trees, strict=True))
+                and self.versions == tuple(t.version for t in trees))
+
+
+# a layer's first tree -> its walk's kept arguments (gone with the tree)
+_walks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()

@@ -256,9 +256,4 @@ def pick_tokens(tree: DCITree, queries: np.ndarray, rows: np.ndarray, take: int)
     rows = np.asarray(rows, np.int64)
     if len(rows) <= take:
         return rows
-    walk, steps = tree.walk_keys()
-    at = tree.tok_page[rows], tree.tok_slot[rows]
-    keys = walk[at][:, : tree.d].astype(np.float64)
-    if walk.dtype == np.int8:  # the int8 copy: a key is its rounded coordinates times its step
-        keys *= steps[at][:, None]
-    return rows[top_tokens(group_weights(queries, keys, tree.d ** -0.5), take)]
+    return rows[top_tokens(group_weights(queries, tree.walk_rows(rows), tree.d ** -0.5), take)]

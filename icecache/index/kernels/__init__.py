@@ -1,6 +1,7 @@
 """numba kernels of the DCI-tree, by stage: :mod:`.build` (placing points), :mod:`.query` (a lone
 query's walk), :mod:`.shared` (a group's shared walk, heads in parallel), :mod:`.pages` (points ->
-ranked pages, the GQA merge). All are ``nogil``, so several heads' trees can be searched at once.
+ranked pages, the GQA merge), :mod:`.pairs` (the integer sums of the walks' int8 keys). All are
+``nogil``, so several heads' trees can be searched at once.
 
 Layout (one tree, one KV head; ``n`` points, ``D = head_dim + 1`` after the inner-product
 transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
@@ -15,9 +16,10 @@ transform). Node ids: 0 is the root, ``i + 1`` is point ``i``.
   node's next page in projection order; ``owner`` (pcap,) node id; ``lo``/``hi`` (pcap,) float32
   projection range of the members; ``dirty`` (pcap,) bool.
 - ``tok_page``/``tok_slot``: (cap,) int32, where each point sits.
-- ``K8`` (pcap, S, head_dim) int8 and ``K8_steps`` (pcap, S) float32: with ``walk_keys: int8``
-  the keys rounded for the shared walks (:func:`~.shared.quantize_pages`), made again for every
-  page an insert or a refinement marks dirty; no rows otherwise.
+- ``K8`` (pcap, ceil(head_dim / 2), S rounded up to 8, 2) int8 and ``K8_steps`` (pcap, S)
+  float32: with ``walk_keys: int8`` the keys rounded for the shared walks, laid out by pairs of
+  coordinates for their integer sums (:func:`~.shared.quantize_pages`, :mod:`.pairs`), made
+  again for every page an insert or a refinement marks dirty; no rows otherwise.
 """
 
 from .build import attach_sorted, insert_child, insert_children, nearest_among, parents_by_tree

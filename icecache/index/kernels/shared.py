@@ -15,100 +15,134 @@ from numba.extending import overload
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from ...prefetch import prefetch_row
 from .pages import group_pages, merge_ranked
+from .pairs import BLOCK, MAX_GROUP, block_sums, round_queries
 from .query import topk_indices
 
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _scan_page_float(pg, V, PX, members, count, out_ids, out_pages, out_scores, m):
-    """Page ``pg``'s members scored against every row of ``V`` (g, d), appended from row ``m``;
-    returns the new row count. The last column of the transformed keys is not read: the
-    queries' is zero."""
-    g, D = V.shape
-    for s in range(count[pg]):
-        for r in range(g):
-            acc = np.float32(0.0)
-            for d in range(D):
-                acc += PX[pg, s, d] * V[r, d]
-            out_scores[m, r] = acc
-        out_ids[m] = members[pg, s]
-        out_pages[m] = pg
-        m += 1
-    return m
-
-
-@njit(nogil=True, cache=True, fastmath=True)
-def _scan_page_int8(pg, V, K8, steps, members, count, out_ids, out_pages, out_scores, m):
-    """:func:`_scan_page_float` over the page's int8 keys (``K8`` (pages, S, d), ``steps``
-    (pages, S): key = step x K8 row, :func:`quantize_pages`). Each key element is widened once
-    and multiplied into up to four queries' sums (three where three are left: a GQA group of
-    three, the embedded model's, takes no fourth sum)."""
-    g, D = V.shape
-    n = count[pg]
-    g0 = 0
-    while g0 < g:
-        if g - g0 == 3:
-            for s in range(n):
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                for d in range(D):
-                    x = np.float32(K8[pg, s, d])
-                    a0 += x * V[g0, d]
-                    a1 += x * V[g0 + 1, d]
-                    a2 += x * V[g0 + 2, d]
-                c = steps[pg, s]
-                out_scores[m + s, g0] = a0 * c
-                out_scores[m + s, g0 + 1] = a1 * c
-                out_scores[m + s, g0 + 2] = a2 * c
-            g0 += 3
-        else:  # four queries (the last ones repeated where fewer are left; their copies dropped)
-            g1, g2, g3 = min(g0 + 1, g - 1), min(g0 + 2, g - 1), min(g0 + 3, g - 1)
-            for s in range(n):
-                a0 = np.float32(0.0)
-                a1 = np.float32(0.0)
-                a2 = np.float32(0.0)
-                a3 = np.float32(0.0)
-                for d in range(D):
-                    x = np.float32(K8[pg, s, d])
-                    a0 += x * V[g0, d]
-                    a1 += x * V[g1, d]
-                    a2 += x * V[g2, d]
-                    a3 += x * V[g3, d]
-                c = steps[pg, s]
-                out_scores[m + s, g3] = a3 * c
-                out_scores[m + s, g2] = a2 * c
-                out_scores[m + s, g1] = a1 * c
-                out_scores[m + s, g0] = a0 * c
-            g0 += 4
-    for s in range(n):
-        out_ids[m + s] = members[pg, s]
-        out_pages[m + s] = pg
-    return m + n
-
-
-def _scan_page(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m):
-    """Page ``pg``'s members scored against every row of ``V`` (g, d) (unit queries), appended
-    to the scanned rows from row ``m``; returns the new row count. ``keys``: the tree's float32
-    transformed keys (``steps`` unused) or their int8 copy with its steps (``walk_keys``)."""
-    raise NotImplementedError  # numba's overload below
-
-
-@overload(_scan_page, inline="always")
-def _scan_page_of(pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m):
-    if isinstance(keys, types.Array) and keys.dtype == types.int8:
-        return lambda pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m: _scan_page_int8(
-            pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m)
-    return lambda pg, V, keys, steps, members, count, out_ids, out_pages, out_scores, m: _scan_page_float(
-        pg, V, keys, members, count, out_ids, out_pages, out_scores, m)
+PAGES_AHEAD = 2  # a walk asks for a page's keys this many pages before it scores them
 
 
 @njit(nogil=True, cache=True)
-def quantize_pages(pages, PX, count, K8, steps):
+def _ask_ahead(pages, i, n_pages, keys, steps, members):
+    """Hint the page ``PAGES_AHEAD`` after the ``i``-th of ``pages[:n_pages]``: its keys, its
+    steps where the keys have them, its members."""
+    if i + PAGES_AHEAD < n_pages:
+        ahead = pages[i + PAGES_AHEAD]
+        prefetch_row(keys, ahead, keys.strides[0])
+        prefetch_row(members, ahead, 1)
+        if steps.shape[0]:
+            prefetch_row(steps, ahead, 1)
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_pages_float(pages, n_pages, V, PX, steps, members, count, out_ids, out_pages, out_scores, m):
+    """The members of ``pages[:n_pages]`` scored against every row of ``V`` (g, d), appended from
+    row ``m`` a page after another; returns the new row count. The last column of the
+    transformed keys is not read: the queries' is zero. ``steps``: the int8 copy's (none here)."""
+    g, D = V.shape
+    for i in range(n_pages):
+        _ask_ahead(pages, i, n_pages, PX, steps, members)
+        pg = pages[i]
+        for s in range(count[pg]):
+            for r in range(g):
+                acc = np.float32(0.0)
+                for d in range(D):
+                    acc += PX[pg, s, d] * V[r, d]
+                out_scores[m, r] = acc
+            out_ids[m] = members[pg, s]
+            out_pages[m] = pg
+            m += 1
+    return m
+
+
+@njit(nogil=True, cache=True, fastmath=True, inline="always")
+def _block_scores(KP, pg, b, top, Vq, qsteps, g0, nq, acc, steps, out_scores, m):
+    """The scores of block ``b`` of page ``pg`` (its first ``top`` keys) against queries ``g0``
+    to ``g0 + nq - 1``, into ``out_scores`` from row ``m + BLOCK * b``."""
+    block_sums(KP, pg, b, Vq, g0, nq, acc)
+    for j in range(top):
+        s = b * BLOCK + j
+        c = steps[pg, s]
+        for r in range(nq):
+            out_scores[m + s, g0 + r] = np.float32(acc[r, j]) * (c * qsteps[g0 + r])
+
+
+@njit(nogil=True, cache=True, fastmath=True)
+def _scan_pages_int8(pages, n_pages, Vq, qsteps, acc, KP, steps, members, count, out_ids, out_pages,
+                     out_scores, m):
+    """:func:`_scan_pages_float` over the pages' int8 pair copy (``KP`` (pages, pairs, rows, 2),
+    ``steps`` (pages, S): key = step x its int8 values, :func:`quantize_pages`) and the queries
+    rounded to int16 (``Vq``, ``qsteps``: :func:`~.pairs.round_queries`): each score an integer
+    sum over :data:`~.pairs.BLOCK` keys at a time (:func:`~.pairs.block_sums`, up to four queries
+    a call, into ``acc``) times the key's step and the query's."""
+    g = Vq.shape[0]
+    for i in range(n_pages):
+        _ask_ahead(pages, i, n_pages, KP, steps, members)
+        pg = pages[i]
+        n = count[pg]
+        for b in range((n + BLOCK - 1) // BLOCK):
+            top = min(BLOCK, n - b * BLOCK)
+            if g <= MAX_GROUP:  # the group in one call (a loop of one call here took a third longer)
+                _block_scores(KP, pg, b, top, Vq, qsteps, 0, g, acc, steps, out_scores, m)
+            else:
+                for g0 in range(0, g, MAX_GROUP):
+                    _block_scores(KP, pg, b, top, Vq, qsteps, g0, min(MAX_GROUP, g - g0), acc, steps, out_scores, m)
+        for s in range(n):
+            out_ids[m + s] = members[pg, s]
+            out_pages[m + s] = pg
+        m += n
+    return m
+
+
+def _scan_pages(pages, n_pages, P, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+    """The members of ``pages[:n_pages]`` scored against every query of the prepared group ``P``
+    (:func:`_prepared`), appended to the scanned rows from row ``m`` (a page's rows contiguous);
+    returns the new row count. ``keys``: the tree's float32 transformed keys (``steps`` unused)
+    or their int8 pair copy with its steps (``walk_keys``)."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(_scan_pages, inline="always")
+def _scan_pages_of(pages, n_pages, P, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+    if isinstance(keys, types.Array) and keys.dtype == types.int8:
+        def rounded(pages, n_pages, P, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+            return _scan_pages_int8(pages, n_pages, P[1], P[2], P[3], keys, steps, members, count, out_ids,
+                                    out_pages, out_scores, m)
+        return rounded
+
+    def plain(pages, n_pages, P, keys, steps, members, count, out_ids, out_pages, out_scores, m):
+        return _scan_pages_float(pages, n_pages, P[0], keys, steps, members, count, out_ids, out_pages,
+                                 out_scores, m)
+    return plain
+
+
+def _prepared(V, keys):
+    """A group's unit queries ``V`` (g, d) as the scan of ``keys`` takes them: (V, its int16
+    rounding and steps, the block sums' scratch); the last three empty for float keys."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(_prepared, inline="always")
+def _prepared_of(V, keys):
+    if isinstance(keys, types.Array) and keys.dtype == types.int8:
+        def rounded(V, keys):
+            q, qsteps = round_queries(V, keys.shape[1])
+            return V, q, qsteps, np.empty((MAX_GROUP, BLOCK), np.int32)
+        return rounded
+
+    def plain(V, keys):
+        return V, np.zeros((0, 1, 2), np.int16), np.zeros(0, np.float32), np.empty((0, BLOCK), np.int32)
+    return plain
+
+
+@njit(nogil=True, cache=True)
+def quantize_pages(pages, PX, count, KP, steps):
     """The int8 copy of ``pages``' keys (``walk_keys: int8``): each member's first ``d``
     coordinates (the key; not the transform's last one, which the queries do not read) as
-    ``round(k / step)`` with ``step = max |k| / 127`` (1 for a zero key), into ``K8[pg, s]`` and
-    ``steps[pg, s]``. A score from the copy is within ``step / 2 * sum |q|`` of the float one."""
-    d = K8.shape[2]
+    ``round(k / step)`` with ``step = max |k| / 127`` (1 for a zero key), laid out by pairs of
+    coordinates: coordinate ``j`` of slot ``s`` at ``KP[pg, j // 2, s, j % 2]`` (an odd ``d``'s
+    last pair ends in 0; :mod:`.pairs`), the step at ``steps[pg, s]``. A score from the copy is
+    within ``step / 2 * sum |q|`` of the float one (and the query's own int16 rounding)."""
+    d = PX.shape[2] - 1
     for i in range(pages.shape[0]):
         pg = pages[i]
         for s in range(count[pg]):
@@ -117,18 +151,18 @@ def quantize_pages(pages, PX, count, K8, steps):
                 top = max(top, abs(PX[pg, s, j]))
             step = top / np.float32(127.0) if top > 0 else np.float32(1.0)
             for j in range(d):
-                K8[pg, s, j] = np.int8(min(127.0, max(-127.0, np.rint(PX[pg, s, j] / step))))
+                KP[pg, j // 2, s, j % 2] = np.int8(min(127.0, max(-127.0, np.rint(PX[pg, s, j] / step))))
+            if d % 2:
+                KP[pg, d // 2, s, 1] = 0
             steps[pg, s] = step
-
-
-PAGES_AHEAD = 2  # a walk asks for a page's keys this many pages before it scores them
 
 
 @njit(nogil=True, cache=True)
 def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count, node_size,
                  mark, scratch_ids, scratch_pages, scratch_scores):
-    """The group's shared walk down the tree; returns (rows scored, query norms), or -1 rows
-    when the scratch arrays are too short (the caller grows them and walks again).
+    """The group's shared walk down the tree; returns (rows scored, query norms, the queries as
+    the scan takes them: :func:`_prepared`), or -1 rows when the scratch arrays are too short
+    (the caller grows them and walks again).
 
     At each level the union of every query's ``beam`` best nodes is expanded, and each child is
     read once and scored against all queries (a GQA group's queries share one KV head, and
@@ -146,6 +180,7 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
         norms[r] = max(np.sqrt(acc), 1e-12)
         for j in range(d):
             V[r, j] = queries[r, j] / norms[r]
+    P = _prepared(V, keys)
     stamp = mark[0] + 1  # mark[0] counts calls; node 0 (the root) is never marked
     mark[0] = stamp
     frontier = np.zeros(1, np.int64)
@@ -153,14 +188,13 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
     lvl = top_level
     rows = scratch_ids.shape[0]
     pages = np.empty(rows, np.int64)
-    page_bytes = keys.shape[1] * keys.shape[2] * keys.itemsize
     while lvl >= 0:
         m = kept
         need = m
         for f in range(frontier.shape[0]):
             need += node_size[frontier[f]]
         if need > rows:
-            return -1, norms
+            return -1, norms, P
         # the level's pages first (their links are read back to back), then their keys, each
         # page's asked for a few pages ahead of its scan
         n_pages = 0
@@ -168,18 +202,11 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
             pg = first_page[frontier[f]]
             while pg >= 0:
                 if n_pages == rows:
-                    return -1, norms
+                    return -1, norms, P
                 pages[n_pages] = pg
                 n_pages += 1
                 pg = next_page[pg]
-        for i in range(n_pages):
-            if i + PAGES_AHEAD < n_pages:
-                ahead = pages[i + PAGES_AHEAD]
-                prefetch_row(keys, ahead, page_bytes)
-                prefetch_row(members, ahead, 1)
-                if steps.shape[0]:
-                    prefetch_row(steps, ahead, 1)
-            m = _scan_page(pages[i], V, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
+        m = _scan_pages(pages, n_pages, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
         if lvl > 0 and m > kept:
             nxt = np.empty(g * min(beam, m - kept), np.int64)
             nn = 0
@@ -194,7 +221,7 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
             frontier = nxt[:nn]
         kept = m
         lvl -= 1
-    return kept, norms
+    return kept, norms, P
 
 
 @njit(nogil=True, cache=True)
@@ -209,8 +236,8 @@ def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, ne
     (rows, g). Returns False when the scratch was too short (nothing written).
     """
     g = queries.shape[0]
-    kept, norms = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
-                               count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
+                                  count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return False
     for r in range(g):
@@ -456,7 +483,7 @@ MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: th
 
 
 @njit(nogil=True, cache=True, fastmath=True)
-def _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members, count, scratch_ids,
+def _scan_extra(extra, n_extra, P, keys, steps, owner, top_level, mark, members, count, scratch_ids,
                 scratch_pages, scratch_scores, kept):
     """Append to the walk's scanned rows (``kept`` of them) the bottom-level pages
     ``extra[:n_extra]`` that the walk did not scan: each page one more run. A bottom page was
@@ -466,8 +493,9 @@ def _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members,
     if top_level <= 0:
         return kept
     stamp = mark[0]
-    rows = scratch_ids.shape[0]
-    m = kept
+    need = kept
+    todo = np.empty(n_extra, np.int64)
+    n_todo = 0
     for e in range(n_extra):
         pg = extra[e]
         node = owner[pg]
@@ -480,10 +508,12 @@ def _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members,
                 break
         if dup:
             continue
-        if m + count[pg] > rows:
-            return -1
-        m = _scan_page(pg, V, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
-    return m
+        todo[n_todo] = pg
+        n_todo += 1
+        need += count[pg]
+    if need > scratch_ids.shape[0]:
+        return -1
+    return _scan_pages(todo, n_todo, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, kept)
 
 
 @njit(nogil=True, cache=True)
@@ -507,7 +537,7 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
     """
     g = queries.shape[0]
     none = np.empty(0, np.int32)
-    if k < max_pages * keys.shape[1]:
+    if k < max_pages * members.shape[1]:  # (members: (pages, page size))
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
         if not search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page,
@@ -515,16 +545,12 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
                                    scratch_scores, ids, scores):
             return none, none, False
         return group_pages(ids, tok_page, max_pages), none, True
-    kept, norms = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count,
-                               node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    kept, norms, P = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
+                                  count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
     if kept < 0:
         return none, none, False
     if n_extra > 0:
-        V = np.empty((g, queries.shape[1]), np.float32)
-        for r in range(g):
-            for j in range(queries.shape[1]):
-                V[r, j] = queries[r, j] / norms[r]
-        kept = _scan_extra(extra, n_extra, V, keys, steps, owner, top_level, mark, members, count,
+        kept = _scan_extra(extra, n_extra, P, keys, steps, owner, top_level, mark, members, count,
                            scratch_ids, scratch_pages, scratch_scores, kept)
         if kept < 0:
             return none, none, False
