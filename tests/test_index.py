@@ -775,6 +775,22 @@ def test_int8_walk_with_full_beam_is_exact_on_the_rounded_keys(group, d):
     assert got.tolist() == ref.tolist()
 
 
+def test_keys_too_wide_for_the_integer_sums_walk_their_float_keys():
+    """Past 512 coordinates an int8 key times an int16 query could overflow its int32 sum: such a
+    tree keeps no int8 copy and its walks read the float keys, with the float walk's choice."""
+    import dataclasses
+
+    keys = clustered(600, d=520, seed=2)
+    queries = clustered(3, d=520, seed=3)
+    cfg = IndexConfig(page_size=8, beam=6, walk_keys="int8")
+    wide = DCITree(520, cfg)
+    wide.insert(keys)
+    assert wide.K8.shape[0] == 0 and wide.walk_keys()[0] is wide.PX
+    plain = DCITree(520, dataclasses.replace(cfg, walk_keys="float32"))
+    plain.insert(keys)
+    assert wide.select_group(queries, 64, 6).tolist() == plain.select_group(queries, 64, 6).tolist()
+
+
 def test_the_integer_block_sums_are_the_int64_dot_products():
     """The walk's integer sums (vpmaddwd on AVX2, plain vector arithmetic elsewhere) against
     NumPy's int64 products of the pair copy and the int16 queries, every group size a call

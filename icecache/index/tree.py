@@ -25,7 +25,7 @@ import numpy as np
 
 from . import kernels, walk
 from .config import IndexConfig
-from .kernels.pairs import pair_rows
+from .kernels.pairs import MAX_DIM, pair_rows
 from .place import EXACT_PARENT_PAIRS as EXACT_PARENT_PAIRS  # still importable from here
 from .place import place_level
 from .refine import refine_bottom
@@ -133,7 +133,7 @@ class DCITree:
         # ``walk_keys: int8``: the keys again, rounded to int8 with a step a key and laid out by
         # pairs of coordinates, for the walks to read (quantize_pages); no rows where the walks
         # read PX
-        rows = pcap if self.cfg.walk_keys == "int8" else 0
+        rows = pcap if self._int8_walk() else 0
         self.K8 = np.zeros((rows, *self._pair_shape()), np.int8)
         self.K8_steps = np.zeros((rows, S), np.float32)
         self.pcap = pcap
@@ -286,7 +286,7 @@ class DCITree:
     def _walk_copy(self) -> bool:
         """Whether the walks read the int8 copy; made whole here where it is missing (a tree
         saved by a run that did not keep one)."""
-        if self.cfg.walk_keys != "int8":
+        if not self._int8_walk():
             return False
         if self.K8.shape != (self.pcap, *self._pair_shape()):  # (or laid out by rows, as it once was)
             S = self.cfg.page_size
@@ -296,6 +296,11 @@ class DCITree:
             kernels.quantize_pages(np.arange(self.npages, dtype=np.int32), self.PX, self.count, self.K8,
                                    self.K8_steps)
         return True
+
+    def _int8_walk(self) -> bool:
+        """Whether the walks read an int8 copy: ``walk_keys: int8``, for keys up to
+        :data:`~.kernels.pairs.MAX_DIM` wide (wider ones' integer sums could overflow: float)."""
+        return self.cfg.walk_keys == "int8" and self.d <= MAX_DIM
 
     def _pair_shape(self) -> tuple[int, int, int]:
         """A page of the int8 copy: (pairs of coordinates, rows, 2), :mod:`.kernels.pairs`."""

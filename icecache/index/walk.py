@@ -102,8 +102,9 @@ def _layer(trees, queries, k, max_pages, wide, extra, take):
     scratch = [group_scratch(t.n, g, walk_rows(t.n, int(w.beams[h] + w.n_extra[h]), g), slot=h)
                for h, t in enumerate(trees)]
     out, lens, ok, tok_out, tok_lens = w.out
-    kernels.select_heads_shared(queries, k, max_pages, w.beams, *w.keys, w.top_levels, *w.links, *zip(*scratch, strict=True),
-                                out, lens, ok, w.extras, w.n_extra, w.owners, *w.merge, take, tok_out, tok_lens)
+    kernels.select_heads_shared(queries, k, max_pages, w.beams, *w.keys, w.top_levels, *w.links,
+                                *zip(*scratch, strict=True), out, lens, ok, w.extras, w.n_extra, w.owners,
+                                *w.merge, take, tok_out, tok_lens)
     # a head whose scratch was too short walks again alone, with room to grow
     got = [(out[h, : lens[h]].copy(), tok_out[h, : tok_lens[h]].copy()) if ok[h] else alone(h) for h in range(H)]
     return [g[0] for g in got], [g[1] for g in got]
@@ -118,7 +119,8 @@ class _Walk:
     200 us a layer); kept, a call checks that its trees are the same objects at the same
     :attr:`~.tree.DCITree.version` (raised by every change to a tree) and the call the same
     shape. The scratch is still taken per call (:func:`group_scratch`: this thread's, grown as
-    needed, and its node marks are what the token packing reads after the walk).
+    needed, and its node marks are what the token packing reads after the walk). The output
+    arrays are reused, so a layer's walks must run one at a time (a layer selects once a step).
     """
 
     def __init__(self, trees: list, shape: tuple, width: int):

@@ -2,17 +2,18 @@
 
 The walk scores a page's keys against each of a GQA group's queries. Scored in float (each key
 element widened to float, a multiply-add per query, a horizontal sum per key and query) a page of
-16 keys took about 14 ns a key on a 2-core AVX2 CPU, most of a decode step's index query. Here the
+16 keys took about 14 ns a key on a 2-core AVX2 CPU, half of a walk's time with warm caches. Here the
 query is rounded to int16 (a step ``max|q| / 32767`` of its own, :func:`round_queries`) and the
 copy is laid out by pairs of coordinates, ``(pages, ceil(d / 2), rows, 2)`` with ``rows`` the page
 size rounded up to :data:`BLOCK`: for a pair of coordinates, eight keys' two values side by side
 are 16 bytes, which widen to sixteen int16 words, and AVX2's ``vpmaddwd`` multiplies them by the
 query's pair (repeated eight times) and adds each key's two products: eight keys' partial sums in
 one instruction, with no horizontal sum at the end (:func:`block_sums`). Elsewhere the same sums
-come from plain vector arithmetic (``int16_inputs._madd_pairs``), exact all the same. Measured
-over the pages of a 16k-token tree (hot caches): 20 against 42 us a KV head.
+come from plain vector arithmetic (``int16_inputs._madd_pairs``), exact all the same. Scanning
+148 pages of 16 keys against three queries with warm caches: 20-24 against 38-42 us.
 
-A sum is at most ``d * 127 * 32767`` (under 2^31 for head_dim up to 512), so it is exact; a score
+A sum is at most ``d * 127 * 32767``, under 2^31 up to :data:`MAX_DIM`, so it is exact (a tree
+of wider keys walks its float keys instead: ``DCITree._int8_walk``); a score
 is ``float32(sum) * key step * query step``: against the float key copy only the query's rounding
 differs, a relative 1.5e-5 of its largest coordinate. Reference: :func:`reference_sums`.
 """
@@ -29,6 +30,7 @@ from ... import numba_cache  # noqa: F401  (numba's cache folder: before any ker
 from ...int16_inputs import LIMIT, _consts, _item_pointer, _madd_pairs, avx2
 
 BLOCK = 8  # keys summed together: the eight int32 lanes of one ``vpmaddwd``
+MAX_DIM = 512  # the widest key whose integer sums cannot overflow int32
 MAX_GROUP = 4  # queries one block_sums call takes (eight accumulators of eight lanes)
 _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _LONGS = ir.VectorType(_I32, BLOCK)
