@@ -67,6 +67,13 @@ def _madd_pairs(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast
     return builder.add(even, odd)
 
 
+def _repeat_pair(builder: ir.IRBuilder, pair: ir.Value) -> ir.Value:
+    """An int32 holding two int16 values -> the pair repeated eight times as 16 int16 words: the
+    other operand of :func:`_madd_pairs` for one pair of inputs against eight rows."""
+    xs = builder.insert_element(ir.Constant(_LONGS, ir.Undefined), pair, ir.Constant(_I32, 0))
+    return builder.bitcast(builder.shuffle_vector(xs, xs, _consts(_I32, [0] * 8)), _WORDS)
+
+
 def _item_pointer(context, builder, aty, arr, indices, index_types):
     ary = context.make_array(aty)(context, builder, arr)
     idx = [context.cast(builder, v, t, types.intp) for v, t in zip(indices, index_types, strict=True)]
@@ -101,8 +108,7 @@ def group_isums(typingctx, tiles, b, j0, xq, x0, out):
         longs = [ir.Constant(_LONGS, None)] * 8  # rows 0-7, 8-15, ..., 56-63
         for j in range(16):
             pair = builder.load(builder.gep(x_pairs, [ir.Constant(_I32, j)]), align=2)  # (x_2j, x_2j+1)
-            xs = builder.insert_element(ir.Constant(_LONGS, ir.Undefined), pair, ir.Constant(_I32, 0))
-            xs = builder.bitcast(builder.shuffle_vector(xs, xs, _consts(_I32, [0] * 8)), _WORDS)
+            xs = _repeat_pair(builder, pair)
             for h in range(2):  # rows 0-31, 32-63
                 at = builder.gep(w0, [ir.Constant(_I32, j * BLOCK + 32 * h)])
                 w = builder.load(builder.bitcast(at, _BYTES.as_pointer()), align=1)

@@ -27,13 +27,11 @@ from numba.core import cgutils
 from numba.extending import intrinsic
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
-from ...int16_inputs import LIMIT, _consts, _item_pointer, _madd_pairs, avx2
+from ...int16_inputs import _I8, _I16, _I32, _LONGS, LIMIT, _item_pointer, _madd_pairs, _repeat_pair, avx2
 
-BLOCK = 8  # keys summed together: the eight int32 lanes of one ``vpmaddwd``
+BLOCK = 8  # keys summed together: the eight int32 lanes of one ``vpmaddwd`` (int16_inputs._LONGS)
 MAX_DIM = 512  # the widest key whose integer sums cannot overflow int32
 MAX_GROUP = 4  # queries one block_sums call takes (eight accumulators of eight lanes)
-_I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
-_LONGS = ir.VectorType(_I32, BLOCK)
 
 
 def pair_rows(page_size: int) -> int:
@@ -80,9 +78,7 @@ def _block_sums_of(nq: int):
                                      ir.VectorType(_I16, 2 * BLOCK))
                 for r in range(nq):
                     pair = builder.load(builder.gep(qpairs[r], [j]), align=2)
-                    xs = builder.insert_element(ir.Constant(_LONGS, ir.Undefined), pair, ir.Constant(_I32, 0))
-                    xs = builder.bitcast(builder.shuffle_vector(xs, xs, _consts(_I32, [0] * BLOCK)),
-                                         ir.VectorType(_I16, 2 * BLOCK))
+                    xs = _repeat_pair(builder, pair)
                     builder.store(builder.add(builder.load(accs[r]), _madd_pairs(builder, words, xs, fast)), accs[r])
             dst = _item_pointer(context, builder, oty, args[5], [zero, zero], [intp, intp])
             ostride = cgutils.unpack_tuple(builder, context.make_array(oty)(context, builder, args[5]).strides, 2)[0]
