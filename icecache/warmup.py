@@ -94,7 +94,14 @@ def compile_cache() -> None:
     the dense decode step (and the votes' scores over 16-bit host keys), the packing of chosen
     tokens into pages and the remapped positions' offsets and key placement, the checked LM
     head's int8 product, a GGUF layer's grouped bytes and the fused decoder layer."""
-    from .cache.kernels import choose_tokens, ordered_offsets_nb, pinned_offsets_nb, place_rows, plan_head
+    from .cache.kernels import (
+        choose_tokens,
+        ordered_offsets_nb,
+        pinned_offsets_nb,
+        place_rows,
+        placed_decode,
+        plan_head,
+    )
     from .cache.score_kernels import dense_decode_fused, half_scores, paged_decode_fused
 
     S, P = 4, 2
@@ -123,6 +130,10 @@ def compile_cache() -> None:
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1)
     pinned_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1, 2, 0, True,
                       np.arange(3, dtype=np.int64), np.zeros(3, np.int64), 1, 3, 4, 100, 0)
+    args = (np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1, 2, 0, True, np.arange(3, dtype=np.int64),
+            np.zeros(3, np.int64), 1, 3, 4, 100, 0)  # an ice layer's remapped CPU step: placement and attention
+    placed_decode(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0), np.empty((2, 3, 8), np.float32),
+                  args, 1, 1, np.ones((16, 8), np.float32), np.zeros((16, 8), np.float32), 8)
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
     compile_loads()

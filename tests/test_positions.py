@@ -691,6 +691,44 @@ def test_pinned_placement_in_one_call_equals_its_numpy_reference():
     assert len(checked) >= 4  # the cases gave different layouts
 
 
+def test_placed_decode_in_one_call_equals_placing_then_the_placed_kernel():
+    """An ice layer's remapped CPU step in one numba call (placed_decode: the placement, then the
+    attention with each row turned as it is scored) gives the output of the reference placement
+    (placing's NumPy path) and the placed kernel over its tables: with the pinned passages and
+    without, capped scores or not, the query near the pages and far; a table too short for the
+    placement writes nothing and says how many rows it needs."""
+    import numpy as np
+
+    from icecache.cache.kernels import placed_decode
+    from icecache.cache.paged import paged_decode_placed_rows
+    from icecache.cache.placement import placing, placing_args
+    from icecache.cache.positions import place_tables, table_rows
+
+    model, cache, _logits = remapped_pinned_cache(7, 6, 64)
+    layer = cache.ice_layers()[0]
+    r, frame = layer.resident, layer.remap.frame
+    rows = r.cpu_rows()
+    assert rows is not None
+    G = model.config.num_attention_heads // layer.heads
+    q = torch.randn(layer.heads, G, rows[0].shape[2], generator=torch.Generator().manual_seed(3))
+    for passages in (layer.passages, None):
+        for back in (1, 40, 400):
+            pages_at = layer.length - back
+            offset, count = placing(r, layer.remap, passages, layer.length, pages_at, fast=False)
+            tables = place_tables(frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
+            args = placing_args(r, layer.remap, passages, layer.length, pages_at)
+            for cap in (None, 2.0):
+                want = paged_decode_placed_rows(q, *rows, r.valid, 0.125, cap, tables)
+                out = np.full(q.shape, 7.0, np.float32)
+                call = (q.numpy(), *rows, r.valid, np.float32(0.125), np.float32(cap or 0.0), out, args,
+                        r.sink_fill, r.pool_at)
+                need = placed_decode(*call, *frame.down_arrays(pages_at, 1), frame.rotary_dim)
+                assert need > 1 and table_rows(need, r.window_at) == tables[4].shape[0]  # place_tables' rows
+                assert (out == 7.0).all()
+                assert placed_decode(*call, *frame.down_arrays(pages_at, need), frame.rotary_dim) == 0
+                torch.testing.assert_close(torch.from_numpy(out), want, atol=1e-6, rtol=1e-5)
+
+
 @pytest.mark.parametrize("rows,sink,window,cap", [(700, 4, 256, None), (700, 4, 256, 3.0), (100, 4, 256, None),
                                                   (3, 4, 256, None), (900, 0, 300, None)])
 def test_remapped_dense_layer_decodes_in_one_call_as_its_regions(rows, sink, window, cap):

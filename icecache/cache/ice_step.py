@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
+from .kernels import placed_decode
 from .paged import (
     chunk_positions,
     paged_chunk_flash,
     paged_chunk_sdpa,
     paged_decode_placed,
-    paged_decode_placed_rows,
     paged_decode_rest,
     paged_decode_sdpa,
     paged_decode_weighted,
 )
-from .placement import placed, placing
-from .positions import place_keys, place_tables
+from .placement import placed, placing, placing_args
+from .positions import place_keys, table_rows
 from .rest import RestPages, step_rest
 
 
@@ -61,6 +62,8 @@ def attention_kind(selector, spec, remap) -> str:
 
 class DecodeStep:
     """select -> load -> attend for :class:`~.ice_layer.IceLayer` (its state is the layer's)."""
+
+    _table_rows = 0  # rows of the rotation tables this layer's remapped steps needed so far
 
     def attend(self, query: torch.Tensor, scale: float, softcap: float | None = None) -> torch.Tensor:
         """Attention of this step's queries (query heads, C, d) over sink + selected pages +
@@ -89,16 +92,49 @@ class DecodeStep:
                                scale, merge, softcap)
         self.load()
         t0 = time.perf_counter()
+        rows = r.cpu_rows() if self.remap is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
+        if rows is not None:  # on the CPU in float32: the placement and the attention in one numba call
+            out = self._placed_rows(q, rows, pages_at, scale, softcap)
+        else:
+            out = self._attend_tensors(q, scale, softcap, None if self.remap is None else pages_at)
+        self.backend.timer_sync()
+        self.stats.attention_s += time.perf_counter() - t0
+        return out.reshape(1, 1, Hq, d)
+
+    def _placed_rows(self, q: torch.Tensor, rows: tuple, pages_at: int, scale: float,
+                     softcap: float | None) -> torch.Tensor:
+        """:meth:`attend`'s remapped attention over the pool's own float32 arrays ``rows``: one
+        numba call (:func:`~.kernels.placed_decode`; the rotation tables grow when a step's
+        placement needs more rows, and stay that long for the layer's later steps)."""
+        r = self.resident
+        args = placing_args(r, self.remap, self.passages, self.length, pages_at)
+        qn = np.ascontiguousarray(q.numpy())
+        out = np.empty(q.shape, np.float32)
+        frame = self.remap.frame
+        n = max(self._table_rows, r.window_at + 1)
+        while True:
+            cos_t, sin_t = frame.down_arrays(int(pages_at), n)
+            need = placed_decode(qn, *rows, r.valid, np.float32(scale), np.float32(softcap or 0.0), out, args,
+                                 r.sink_fill, r.pool_at, cos_t, sin_t, frame.rotary_dim)
+            if not need:
+                self._table_rows = n
+                return torch.from_numpy(out)
+            n = table_rows(need, r.window_at)
+
+    def _attend_tensors(self, q: torch.Tensor, scale: float, softcap: float | None,
+                        pages_at: int | None) -> torch.Tensor:
+        """:meth:`attend`'s attention over the resident tensors (``pages_at``: where the pages
+        end with remapped positions, else None)."""
+        d = q.shape[2]
+        r = self.resident
         place = None
-        if self.remap is not None:
+        if pages_at is not None:
             # the pages end just beyond the window, the sink just before them: the keys are placed
             # there (one rotation, made as the rows are scored where the kernel can) and the query
             # stays at its true position
             offset, count = placing(r, self.remap, self.passages, self.length, pages_at)
             place = (self.remap.frame, r.sink_fill, r.pool_at, r.window_at, pages_at, offset, count)
-        rows = r.cpu_rows() if place is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
-        if rows is None:
-            k, v, valid = r.tensors()
+        k, v, valid = r.tensors()
         rest = self.rest_rows() if self.kernel == "rest" else None
         if rest is not None and place is not None:
             # remapped: the estimate rows sit together just past the farthest placed row of the
@@ -107,8 +143,6 @@ class DecodeStep:
             far = self.length - 1 - pages_at + int(count.max())
             rest_q = self.remap.frame.rotate(q.reshape(-1, d), self.length - 1, far).view(q.shape)
             out = paged_decode_rest(q, k, v, valid, rest, scale, softcap, rest_q)
-        elif rows is not None:  # on the CPU in float32: the kernel over the pool's own arrays
-            out = paged_decode_placed_rows(q, *rows, r.valid, scale, softcap, place_tables(*place))
         elif self.kernel == "weighted":
             if place is not None:
                 k = place_keys(place[0], k, *place[1:])
@@ -122,9 +156,7 @@ class DecodeStep:
             out = self.backend.decode_attention(self.layer_idx, q, k, v, r.valid, scale, softcap)
             if out is None:
                 out = paged_decode_sdpa(q, k, v, valid, scale, softcap)
-        self.backend.timer_sync()
-        self.stats.attention_s += time.perf_counter() - t0
-        return out.reshape(1, 1, Hq, d)
+        return out
 
     def rest_rows(self, general: bool = False):
         """``rest_estimate`` (:func:`~.rest.step_rest`): this step's estimate rows, or None where

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from ..prefetch import prefetch_row
-from .score_kernels import _f32_bits
+from .score_kernels import _f32_bits, paged_decode_fused
 
 
 @njit(nogil=True, cache=True)
@@ -408,6 +408,33 @@ def pinned_offsets_nb(pool_row, valid, top, keep, cut, with_sink, by_votes, chos
                 offset[h, j] += gap
         span[h] += gap
     return offset, span
+
+
+@njit(cache=True)
+def placed_decode(q, k, v, valid, scale, cap, out, placing, sink_fill, pool_at, cos_t, sin_t, rotary):
+    """An ice layer's decode attention with remapped positions on the CPU in one call: the pool
+    rows' placement (:func:`pinned_offsets_nb` of the tuple ``placing``,
+    :func:`~.placement.placing_args`), then :func:`~.score_kernels.paged_decode_fused` over the
+    pool's own arrays with the rows turned to their places as they are scored. Returns 0, or
+    the rows of rotation tables the placement needs when ``cos_t`` / ``sin_t`` (rotations from 0
+    to ``pages_at``, ``pages_at - 1``, ...) have fewer (nothing written: the caller calls again
+    with longer tables). The reference is :func:`~.placement.placing`,
+    :func:`~.positions.place_tables` and :func:`~.paged.paged_decode_placed_rows` (a Python
+    step of about a hundred microseconds a layer, most of it cold caches' misses between two
+    numba calls)."""
+    offset, count = pinned_offsets_nb(*placing)
+    need = 0
+    if pool_at > 0:
+        for h in range(count.shape[0]):
+            need = max(need, count[h] + sink_fill - 1)
+    for h in range(offset.shape[0]):
+        for j in range(offset.shape[1]):
+            need = max(need, offset[h, j])
+    need += 1
+    if need > cos_t.shape[0]:
+        return need
+    paged_decode_fused(q, k, v, valid, scale, cap, out, (offset, count, sink_fill, pool_at, cos_t, sin_t, rotary))
+    return 0
 
 
 @njit(nogil=True, cache=True)

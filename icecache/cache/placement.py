@@ -29,32 +29,51 @@ def placing(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length
             pages_at: int, fast: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`placed`'s placement without the keys: each pool row's offset before ``pages_at``
     (H, P) and each head's span (H,), the sink just before it (:func:`~.positions.place_keys`).
-    ``fast``: with pinned passages, one numba call (:func:`~.kernels.pinned_offsets_nb`);
+    ``fast``: one numba call (:func:`~.kernels.pinned_offsets_nb` of :func:`placing_args`);
     otherwise, and as its reference, :func:`placing_order`, :func:`~.positions.ordered_offsets`
     and :func:`behind_pinned`."""
-    valid = r.valid[:, r.pool_at : r.window_at]
-    rows = r.window_at - r.pool_at
-    top = pages_at - r.sink_fill  # the host row of the token at pages_at
-    # positions beyond pages_at that the pool rows and the sink may take in the trained context
-    room = remap.frame.trained - (length - pages_at) - r.sink_fill
-    pinned = passages is not None and passages.pinned is not None
-    # keep 0 (while the packed rows fit the room): a loaded row at host row ``top`` sits at its
-    # true offset, 0, and the step from it to the next row in order is their true distance
-    keep = min(0, room + 1 - rows)
-    with_sink = passages.with_sink(remap.pin_gap) if pinned else None  # once for both calls
-    if pinned and fast:
+    if fast:
         from .kernels import pinned_offsets_nb
 
-        votes = passages.votes
-        cut = (r.pool_pages - r.pinned_slots) * r.page_size
-        offset, count = pinned_offsets_nb(
-            np.asarray(r.pool_row, np.int64), valid, top, keep, cut, with_sink, bool(remap.pin_gap),
-            *votes.rank_table(), votes.spans, remap.pin_gap, room, votes.best)
+        offset, count = pinned_offsets_nb(*placing_args(r, remap, passages, length, pages_at))
         return torch.from_numpy(offset), torch.from_numpy(count)
+    valid = r.valid[:, r.pool_at : r.window_at]
+    top, keep, room = _bounds(r, remap, length, pages_at)
+    pinned = passages is not None and passages.pinned is not None
+    with_sink = passages.with_sink(remap.pin_gap) if pinned else None  # once for both calls
     offset, count = ordered_offsets(placing_order(r, remap, passages, valid, with_sink), valid, top, keep)
     if remap.pin_gap and pinned:
         offset, count = behind_pinned(offset, count, valid, room, r, remap, passages, with_sink)
     return offset, count
+
+
+_NO_ROWS = np.zeros(0, np.int64)
+
+
+def placing_args(r: ResidentKV, remap: Remap, passages: AnswerPassages | None, length: int,
+                 pages_at: int) -> tuple:
+    """The arguments of :func:`~.kernels.pinned_offsets_nb` for :func:`placing`: without pinned
+    passages, none of the pool's slots pinned and no gap (the kernel is then
+    :func:`~.positions.ordered_offsets` of the pool's host rows)."""
+    valid = r.valid[:, r.pool_at : r.window_at]
+    top, keep, room = _bounds(r, remap, length, pages_at)
+    if passages is None or passages.pinned is None:
+        return r.pool_row, valid, top, keep, valid.shape[1], 0, False, _NO_ROWS, _NO_ROWS, 0, 0, 0, room, -1
+    votes = passages.votes
+    cut = (r.pool_pages - r.pinned_slots) * r.page_size
+    return (r.pool_row, valid, top, keep, cut, passages.with_sink(remap.pin_gap), bool(remap.pin_gap),
+            *votes.rank_table(), votes.spans, remap.pin_gap, room, votes.best)
+
+
+def _bounds(r: ResidentKV, remap: Remap, length: int, pages_at: int) -> tuple[int, int, int]:
+    """The placement's host row ``top`` of the token at ``pages_at``, its ``keep`` and its ``room``."""
+    top = pages_at - r.sink_fill  # the host row of the token at pages_at
+    # positions beyond pages_at that the pool rows and the sink may take in the trained context
+    room = remap.frame.trained - (length - pages_at) - r.sink_fill
+    # keep 0 (while the packed rows fit the room): a loaded row at host row ``top`` sits at its
+    # true offset, 0, and the step from it to the next row in order is their true distance
+    keep = min(0, room + 1 - (r.window_at - r.pool_at))
+    return top, keep, room
 
 
 def behind_pinned(offset: torch.Tensor, count: torch.Tensor, valid: np.ndarray, room: int, r: ResidentKV,

@@ -133,6 +133,12 @@ class RopeFrame:
         cos, sin = self.rotation(0, top - torch.arange(n), device)
         return cos.float(), sin.float()
 
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
+    def down_arrays(self, top: int, n: int) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`down_table` on the CPU as NumPy arrays (as the CPU kernels take it)."""
+        cos, sin = self.down_table(top, n, "cpu")
+        return cos.numpy(), sin.numpy()
+
     def rotate_by(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` (..., head_dim) rotated by the angles whose cos and sin (..., rotary_dim) are
         given (broadcast)."""
@@ -219,7 +225,7 @@ def place_keys(frame: RopeFrame, k: torch.Tensor, sink_fill: int, pool_at: int, 
     idx[:, :pool_at] = (count.to(torch.int64) + sink_fill - 1)[:, None]
     idx[:, pool_at:] = offset
     need = int(idx.max()) + 1 if idx.numel() else 0
-    cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), str(k.device))
+    cos_t, sin_t = frame.down_table(int(pages_at), table_rows(need, window_at), str(k.device))
     flat = idx.view(-1).to(k.device)
     r = cos_t.shape[1]
     cos, sin = cos_t.index_select(0, flat).view(H, window_at, r), sin_t.index_select(0, flat).view(H, window_at, r)
@@ -234,11 +240,11 @@ def place_tables(frame: RopeFrame, sink_fill: int, pool_at: int, window_at: int,
     sink fill, the pool's first row, the cos and sin tables (R, rotary) float32, rotary."""
     off, cnt = offset.numpy(), count.numpy().astype(np.int64, copy=False)
     need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
-    cos_t, sin_t = frame.down_table(int(pages_at), _table_rows(need, window_at), "cpu")
+    cos_t, sin_t = frame.down_table(int(pages_at), table_rows(need, window_at), "cpu")
     return off, cnt, sink_fill, pool_at, cos_t.numpy(), sin_t.numpy(), frame.rotary_dim
 
 
-def _table_rows(need: int, window_at: int) -> int:
+def table_rows(need: int, window_at: int) -> int:
     """Rows of the rotation table for a step: one per slot, more (in whole 1024s) for the
     positions that gaps between rows take; the same for the layers of a step (one table)."""
     return window_at + 1 if need <= window_at + 1 else -(-need // 1024) * 1024
