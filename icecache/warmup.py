@@ -128,10 +128,10 @@ def compile_cache() -> None:
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), np.ones((2, 3), np.bool_), 10, -1)
     pool_valid = np.ones((2, 5), np.bool_)[:, 1:4]  # a view of the resident rows' mask, as a step passes it
     ordered_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1)
-    pinned_offsets_nb(np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1, 2, 0, True,
-                      np.arange(3, dtype=np.int64), np.zeros(3, np.int64), 1, 3, 4, 100, 0)
     args = (np.arange(6, dtype=np.int64).reshape(2, 3), pool_valid, 10, -1, 2, 0, True, np.arange(3, dtype=np.int64),
-            np.zeros(3, np.int64), 1, 3, 4, 100, 0)  # an ice layer's remapped CPU step: placement and attention
+            np.zeros(3, np.int64), 1, 3, 4, 100, 0)
+    pinned_offsets_nb(*args)
+    # an ice layer's remapped CPU step: the same placement, then the attention
     placed_decode(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0), np.empty((2, 3, 8), np.float32),
                   args, 1, 1, np.ones((16, 8), np.float32), np.zeros((16, 8), np.float32), 8)
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,

@@ -240,8 +240,8 @@ def place_tables(frame: RopeFrame, sink_fill: int, pool_at: int, window_at: int,
     sink fill, the pool's first row, the cos and sin tables (R, rotary) float32, rotary."""
     off, cnt = offset.numpy(), count.numpy().astype(np.int64, copy=False)
     need = max(int(cnt.max()) + sink_fill - 1 if pool_at else 0, int(off.max()) if off.size else 0) + 1
-    cos_t, sin_t = frame.down_table(int(pages_at), table_rows(need, window_at), "cpu")
-    return off, cnt, sink_fill, pool_at, cos_t.numpy(), sin_t.numpy(), frame.rotary_dim
+    cos_t, sin_t = frame.down_arrays(int(pages_at), table_rows(need, window_at))
+    return off, cnt, sink_fill, pool_at, cos_t, sin_t, frame.rotary_dim
 
 
 def table_rows(need: int, window_at: int) -> int:
