@@ -47,7 +47,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from .fused_step import FusedLayers, paused, run_layers, run_split, whole_rows
+from .fused_step import FusedLayers, paused, run_layers, run_split, whole_layers
 from .weights import COMPUTE, GROUP, Int4Linear, in_prompt
 
 # attention implementations whose decode over a plain dense growing layer is dense_decode
@@ -288,10 +288,11 @@ class FastStep:
         angles = self._angles(x, position_ids)
         fused = self._fused_layers(cache)
         if fused is not None:
-            whole = whole_rows(cache, config.num_hidden_layers) if config._attn_implementation in FUSED_ATTENTION else None
-            if whole is not None:  # every layer whole, its attention over the cache's rows included
+            whole = whole_layers(cache, config.num_hidden_layers) if config._attn_implementation in FUSED_ATTENTION else None
+            if whole is not None and all(layer is not None for layer in whole):
+                # every layer whole, its attention over the cache's rows included
                 x = run_layers(fused, whole, x.reshape(-1), angles, H, Hk, d, self.scales, self.caps).view(1, 1, -1)
-            else:  # the cache's own update and attention between each layer's two fused parts
+            else:  # the cache's own update and attention between each layer's two fused parts (runs of whole layers whole)
                 def attention(i, q, k, v):
                     k, v = cache.update(k, v, i)
                     a = inner.layers[i].self_attn
@@ -299,7 +300,8 @@ class FastStep:
                                     use_cache=True, **self.attend_kwargs[i])
                     return out
 
-                x = run_split(fused, attention, x.reshape(-1), angles, H, Hk, d).view(1, 1, -1)
+                x = run_split(fused, attention, x.reshape(-1), angles, H, Hk, d, whole, self.scales,
+                              self.caps).view(1, 1, -1)
         half = d // 2
         joined = self.int4 if self.int4 is not None and not in_prompt() else None
         for i, layer in enumerate(inner.layers[: config.num_hidden_layers] if fused is None else []):

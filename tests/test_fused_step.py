@@ -10,6 +10,7 @@ import torch
 
 from icecache import fast_step, fused_step
 from icecache import weights as W
+from icecache.cache.ice import IceCache
 from icecache.fast_step import FastStep
 from icecache.fused_step import FusedLayers, unfused
 from icecache.methods import make_cache, prepare_model
@@ -121,7 +122,8 @@ def test_every_method_runs_the_split_layers_as_the_torch_step(arch, monkeypatch)
     """Every method (small pages and budgets, as tests/test_fast_step.py): the fused layers' two
     parts around the method's own cache and attention (whole layers where every cache layer is
     dense or a window) against the float model's torch step, within float rounding (no choice of
-    pages moved); Gemma 3: its window layers beside the method's global ones."""
+    pages moved); Gemma 3: its window layers beside the method's global ones, each run of window
+    layers in one whole call between the split global layers (the ice methods' attention)."""
     from icecache.methods import names
 
     float_model, model = exact_int4(arch)
@@ -130,18 +132,27 @@ def test_every_method_runs_the_split_layers_as_the_torch_step(arch, monkeypatch)
     forced = torch.randint(0, 97, (8,), generator=g).tolist()
     settings = small_settings()
     total = len(prompt) + len(forced) + 1
-    calls = []
+    calls, whole, mixed = [], [], 0
     for name in ("run_split", "run_layers"):
         real = getattr(fast_step, name)
         monkeypatch.setattr(fast_step, name, lambda *a, _r=real: calls.append(1) or _r(*a))
+    one_call = fused_step.decoder_layers
+    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(len(a[1])) or one_call(*a))
     for method in names():
         outs = []
         for m in (float_model, model):
             prepare_model(method, m, settings, total)
-            outs.append(forced_logits(m, make_cache(method, m, settings, total), prompt, forced, FastStep(m)))
+            cache = make_cache(method, m, settings, total)
+            outs.append(forced_logits(m, cache, prompt, forced, FastStep(m)))
         for i, (a, b) in enumerate(zip(*outs, strict=True)):
             err = float((a - b).abs().max())
             assert err <= 1e-5 * float(a.abs().max()), f"{method} step {i}: {err:.2e}"
+        if arch == "gemma3" and isinstance(cache, IceCache) and cache.ice_layers():
+            # the three window layers before the global one in one call a step, the global one split
+            assert whole == [3] * len(forced), method
+            mixed += 1
+        whole.clear()
+    assert mixed or arch != "gemma3"  # (the paged methods: quest, snapkv, h2o, ...)
     assert len(calls) == len(names()) * len(forced)  # the int4 model's steps, every one fused
 
 

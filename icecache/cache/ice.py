@@ -62,7 +62,9 @@ class IceCache(Cache):
                 anchor = IceLayer(i, spec, self.backend, self.stats, remap=remap, votes=votes)
                 layers.append(anchor)
         super().__init__(layers=layers)
-        self.num_dense = dense_layers
+        # a step is counted at the first ice layer's update (the dense and window layers before it
+        # may run whole in the fused step, without an update: fused_step.run_split)
+        self.first_sparse = next((i for i, layer in enumerate(layers) if isinstance(layer, IceLayer)), -1)
         # every layer dense (a short run, methods.all_dense): exact attention, no pages
         self.all_dense = dense_layers >= num_layers
         # the dense layers' distances past the trained context clamped (GrowingLayer.clamp)
@@ -70,7 +72,7 @@ class IceCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         current.set_current(self)
-        if layer_idx == self.num_dense and key_states.shape[2] == 1:
+        if layer_idx == self.first_sparse and key_states.shape[2] == 1:
             self.stats.steps += 1
         return super().update(key_states, value_states, layer_idx, *args, **kwargs)
 
