@@ -438,6 +438,25 @@ def test_place_keys_kernel_equals_the_torch_reference(rope):
             assert torch.equal(fast[:, s_cap + P :], k[:, s_cap + P :])
 
 
+@pytest.mark.parametrize("rope", ["default", "llama3"])
+def test_rotation_tables_are_the_rotations_to_each_position_step_after_step(rope):
+    """down_table / down_arrays, served from one table kept across steps: bit for bit the
+    rotations from 0 to top, top - 1, ... made afresh, as top moves up a step at a time, jumps
+    past the kept rows, and a step asks for more rows (negative positions included)."""
+    import numpy as np
+
+    frame = RopeFrame.from_model(llama(ROPES[rope]))
+    top, n = 40, 12
+    for step in range(700):
+        top += 1 if step % 100 else 997  # jumps past the table's first row now and then
+        n = 3000 if step == 350 else 12 + step % 50  # one step needs far more rows
+        cos, sin = frame.down_table(top, n)
+        want_cos, want_sin = frame.rotation(0, top - torch.arange(n))
+        assert torch.equal(cos, want_cos.float()) and torch.equal(sin, want_sin.float()), (step, top, n)
+        a_cos, a_sin = frame.down_arrays(top, n)
+        assert np.array_equal(a_cos, cos.numpy()) and np.array_equal(a_sin, sin.numpy())
+
+
 def test_ordered_offsets_keep_the_near_rows_true():
     """With ``keep``: rows at most ``keep`` before row ``top`` sit at their true offset
     ``top - row``, the farther ones follow the farthest kept row one position apart (the nearest

@@ -38,6 +38,7 @@ from .chunked import soft_cap
 from .dense import GrowingLayer
 
 MODES = ("auto", "true", "remap")
+TABLE_AHEAD = 256  # RopeFrame's rotation tables: positions made above a step's, for the steps after it
 COMPOSABLE = ("default", "linear", "llama3", "yarn")  # rope types whose frequencies are fixed
 
 
@@ -126,18 +127,41 @@ class RopeFrame:
         m[j[half:] - half, j[half:]] = sin[0, half:]
         return m
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
     def down_table(self, top: int, n: int, device: str = "cpu") -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin (n, rotary_dim) float32 on ``device`` of the rotations from position 0 to
-        ``top``, ``top - 1``, ..., ``top - n + 1``."""
-        cos, sin = self.rotation(0, top - torch.arange(n), device)
-        return cos.float(), sin.float()
+        ``top``, ``top - 1``, ..., ``top - n + 1``: views of :meth:`_descending`'s table."""
+        first, cos, sin, _arrays = self._descending(top, n, device)
+        at = first - top
+        return cos[at : at + n], sin[at : at + n]
 
-    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
     def down_arrays(self, top: int, n: int) -> tuple[np.ndarray, np.ndarray]:
         """:meth:`down_table` on the CPU as NumPy arrays (as the CPU kernels take it)."""
-        cos, sin = self.down_table(top, n, "cpu")
-        return cos.numpy(), sin.numpy()
+        first, _cos, _sin, (cos, sin) = self._descending(top, n, "cpu")
+        at = first - top
+        return cos[at : at + n], sin[at : at + n]
+
+    def _descending(self, top: int, n: int, device: str) -> tuple:
+        """A table of the rotations from 0 to ``first``, ``first - 1``, ... on ``device`` that holds
+        ``top`` down to ``top - n + 1``: (first, cos, sin, the CPU's as NumPy arrays or None).
+
+        A row depends on its position only, and a decode step's ``top`` (where the pages end)
+        moves up by one a token: the table is made with :data:`TABLE_AHEAD` positions above
+        ``top`` and as many rows more below, and serves every step until ``top`` passes its first
+        row or a step needs rows below its last. Remade every step, Gemma 3's tables (rotary 256,
+        a few thousand rows where pinned passages sit a gap away) took about 6 ms a token."""
+        tables = self.__dict__.get("_tables")
+        if tables is None:
+            tables = {}
+            object.__setattr__(self, "_tables", tables)  # (a cache, not a field: frozen, and not saved)
+        held = tables.get(device)
+        if held is None or top > held[0] or held[0] - top + n > held[1].shape[0]:
+            first = top + TABLE_AHEAD
+            rows = n + 2 * TABLE_AHEAD if held is None else max(n + 2 * TABLE_AHEAD, held[1].shape[0])
+            cos, sin = self.rotation(0, first - torch.arange(rows), device)
+            cos, sin = cos.float(), sin.float()
+            arrays = (cos.numpy(), sin.numpy()) if cos.device.type == "cpu" else None
+            held = tables[device] = (first, cos, sin, arrays)
+        return held
 
     def rotate_by(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """``x`` (..., head_dim) rotated by the angles whose cos and sin (..., rotary_dim) are
