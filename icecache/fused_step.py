@@ -332,16 +332,18 @@ def whole_layers(cache: Any, num_layers: int) -> list | None:
     plain dense growing layer holding the prompt in float32 (its decode dtypes allowed: float16
     keys, bfloat16 values), or a window layer of float32 rows (its ring); None where the cache
     has no such list of layers."""
-    layers = getattr(cache, "layers", None)
-    if layers is None or len(layers) < num_layers:
-        return None
-    return [layer if _whole(layer) else None for layer in layers[:num_layers]]
-
-
-def _whole(layer: Any) -> bool:
     from .cache.dense import GrowingLayer
     from .cache.window import WindowLayer
 
+    layers = getattr(cache, "layers", None)
+    if layers is None or len(layers) < num_layers:
+        return None
+    return [layer if _whole(layer, GrowingLayer, WindowLayer) else None for layer in layers[:num_layers]]
+
+
+def _whole(layer: Any, GrowingLayer: type, WindowLayer: type) -> bool:  # noqa: N803  (the classes)
+    """Whether ``layer`` can take a whole fused layer (:func:`whole_layers`; the two classes
+    imported once a step, not once a layer)."""
     if type(layer) is WindowLayer:
         return (layer.is_initialized and not layer.record_past and layer.keys.dim() == 4 and layer.keys.shape[0] == 1
                 and layer.keys.dtype == torch.float32 and layer.values.dtype == torch.float32)
