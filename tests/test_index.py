@@ -826,6 +826,35 @@ def test_the_integer_block_sums_are_the_int64_dot_products():
 
 
 @pytest.mark.parametrize("walk_keys", ["float32", "int8"])
+def test_one_head_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_keys):
+    """A single KV head (Gemma 3) goes through the layer's parallel call too: a wide beam lists
+    thousands of bottom rows, scanned as several tasks on both threads; pages, carried pages and
+    token picks as the tree's own one-thread walk has them, for one head and beside two more."""
+    from icecache.index.kernels.shared import SCAN_ROWS
+    from icecache.index.walk import pick_layer, select_layer
+
+    trees = []
+    for h, n in enumerate((6000, 3000)):
+        t = DCITree(16, IndexConfig(page_size=8, beam=5, beam_frac=0.0, walk_keys=walk_keys))
+        t.insert(clustered(n, seed=40 + h))
+        trees.append(t)
+    queries = np.stack([clustered(4, seed=50 + h) for h in range(2)])
+    wide = 0.2
+    assert len(trees[0].scanned(queries[0], wide)) > 4 * SCAN_ROWS  # several tasks for the one head
+    extra = [t.live_pages()[::7][:12] for t in trees]
+    for heads in (1, 2):
+        for ex in (None, extra):
+            e = [None] * heads if ex is None else ex[:heads]
+            want = [t.select_group(queries[h], 64, 8, wide, e[h]) for h, t in enumerate(trees[:heads])]
+            got = select_layer(trees[:heads], queries[:heads], 64, 8, wide, ex and ex[:heads])
+            assert [g.tolist() for g in got] == [w.tolist() for w in want]
+            picked = [t.pick_group(queries[h], 50, 8, wide, e[h]) for h, t in enumerate(trees[:heads])]
+            pages, tokens = pick_layer(trees[:heads], queries[:heads], 50, 8, wide, ex and ex[:heads])
+            assert [(p.tolist(), k.tolist()) for p, k in zip(pages, tokens, strict=True)] == [
+                (p.tolist(), k.tolist()) for p, k in picked]
+
+
+@pytest.mark.parametrize("walk_keys", ["float32", "int8"])
 def test_select_layer_with_either_walk_keys_equals_per_tree_selection(walk_keys):
     """The layer's parallel walk reads the same keys as each tree's own walk (and the carried
     pages' path too): the same pages, head by head."""

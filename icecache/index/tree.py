@@ -414,7 +414,7 @@ class DCITree:
             return ids, scores
         self._walk(h, lambda mark, sid, spg, ssc: (None, kernels.search_group_shared(
             queries, k, self.beam_for(), *self.walk_keys(), self.top_level, self.first_page, self.next_page,
-            self.members, self.count, self.node_size, mark, sid, spg, ssc, ids, scores)))
+            self.members, self.count, mark, sid, spg, ssc, ids, scores)))
         return ids, scores
 
     def select_group(self, queries: np.ndarray, k: int, max_pages: int, wide: float = 0.0,
@@ -462,7 +462,7 @@ class DCITree:
         """(pages, tokens) of the shared-walk kernel (:func:`~.kernels.select_group_shared`)."""
         return self._walk(queries.shape[0], lambda mark, sid, spg, ssc: _pair(kernels.select_group_shared(
             queries, k, max_pages, beam, *self.walk_keys(), self.top_level, self.first_page,
-            self.next_page, self.members, self.count, self.node_size, self.tok_page, mark, sid,
+            self.next_page, self.members, self.count, self.tok_page, mark, sid,
             spg, ssc, extra, len(extra), self.owner, *self.merge_args(), take)), beam + len(extra))
 
     def scanned(self, queries: np.ndarray, wide: float = 0.0, extra: np.ndarray | None = None) -> np.ndarray:

@@ -84,7 +84,7 @@ def _layer(trees, queries, k, max_pages, wide, extra, take):
             return trees[h].pick_group(queries[h], take, max_pages, wide, extra[h])
         return trees[h].select_group(queries[h], k, max_pages, wide, extra[h]), None
 
-    if H < 2 or not all(t.cfg.shared_walk and t.n > 0 for t in trees):
+    if not all(t.cfg.shared_walk and t.n > 0 for t in trees):
         got = [alone(h) for h in range(H)]
         return [g[0] for g in got], [g[1] for g in got]
     if any(e is not None and len(e) for e in extra) and k < max_pages * trees[0].cfg.page_size:
@@ -134,7 +134,7 @@ class _Walk:
         self.top_levels = np.array([t.top_level for t in trees], np.int64)
         self.links = (tuple(t.first_page for t in trees), tuple(t.next_page for t in trees),
                       tuple(t.members for t in trees), tuple(t.count for t in trees),
-                      tuple(t.node_size for t in trees), tuple(t.tok_page for t in trees))
+                      tuple(t.tok_page for t in trees))
         self.owners = tuple(t.owner for t in trees)
         self.merge = trees[0].merge_args()
         self.out = (np.empty((H, max_pages), np.int32), np.zeros(H, np.int64), np.zeros(H, np.bool_),

@@ -158,18 +158,8 @@ def quantize_pages(pages, PX, count, KP, steps):
 
 
 @njit(nogil=True, cache=True)
-def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count, node_size,
-                 mark, scratch_ids, scratch_pages, scratch_scores):
-    """The group's shared walk down the tree; returns (rows scored, query norms, the queries as
-    the scan takes them: :func:`_prepared`), or -1 rows when the scratch arrays are too short
-    (the caller grows them and walks again).
-
-    At each level the union of every query's ``beam`` best nodes is expanded, and each child is
-    read once and scored against all queries (a GQA group's queries share one KV head, and
-    reading the index, not arithmetic, is what a query costs). Row i of ``scratch_ids`` /
-    ``scratch_pages`` / ``scratch_scores`` holds a scored point, its page and its score per
-    query (unit-norm queries); a page's rows are contiguous, and each page is scanned once.
-    """
+def _unit(queries):
+    """A group's queries (g, d) as unit vectors (float32) and their norms (at least 1e-12)."""
     g, d = queries.shape
     V = np.zeros((g, d), np.float32)
     norms = np.empty(g, np.float32)
@@ -180,34 +170,57 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
         norms[r] = max(np.sqrt(acc), 1e-12)
         for j in range(d):
             V[r, j] = queries[r, j] / norms[r]
-    P = _prepared(V, keys)
+    return V, norms
+
+
+@njit(nogil=True, cache=True)
+def _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, count, mark, scratch_ids,
+               scratch_pages, scratch_scores, extra, n_extra, owner, todo):
+    """The group's shared walk down to the bottom level: the levels above it scanned into the
+    scratch rows from row 0, the bottom level's pages left to scan listed in ``todo`` (then
+    ``extra[:n_extra]``'s pages that the walk does not reach, see :func:`_extra_pages`).
+    Returns (rows scanned, pages listed), or -1 rows when the scratch arrays cannot hold the
+    listed pages' rows too (the caller grows them and walks again). ``P``: the group's unit
+    queries as the scan takes them (:func:`_prepared`); ``todo``: room for a page per tree page
+    and per extra page.
+
+    At each level the union of every query's ``beam`` best nodes is expanded, and each child is
+    read once and scored against all queries (a GQA group's queries share one KV head, and
+    reading the index, not arithmetic, is what a query costs). Row i of ``scratch_ids`` /
+    ``scratch_pages`` / ``scratch_scores`` holds a scored point, its page and its score per
+    query (unit-norm queries); a page's rows are contiguous, and each page is scanned once (a
+    page has one owner node, a level's nodes are expanded once: a level lists each page at most
+    once, and the extra pages once each).
+    """
+    g = scratch_scores.shape[1]
     stamp = mark[0] + 1  # mark[0] counts calls; node 0 (the root) is never marked
     mark[0] = stamp
     frontier = np.zeros(1, np.int64)
     kept = 0
     lvl = top_level
     rows = scratch_ids.shape[0]
-    pages = np.empty(rows, np.int64)
-    while lvl >= 0:
-        m = kept
-        need = m
-        for f in range(frontier.shape[0]):
-            need += node_size[frontier[f]]
-        if need > rows:
-            return -1, norms, P
+    while True:
         # the level's pages first (their links are read back to back), then their keys, each
         # page's asked for a few pages ahead of its scan
         n_pages = 0
+        need = kept
         for f in range(frontier.shape[0]):
             pg = first_page[frontier[f]]
             while pg >= 0:
-                if n_pages == rows:
-                    return -1, norms, P
-                pages[n_pages] = pg
+                todo[n_pages] = pg
                 n_pages += 1
+                need += count[pg]
                 pg = next_page[pg]
-        m = _scan_pages(pages, n_pages, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, m)
-        if lvl > 0 and m > kept:
+        if lvl <= 0:
+            n_pages, need = _extra_pages(extra, n_extra, owner, top_level, mark, count, todo, n_pages, need)
+            if need > rows:
+                return -1, 0
+            return kept, n_pages
+        if need > rows:
+            return -1, 0
+        m = _scan_pages(todo, n_pages, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores,
+                        kept)
+        if m > kept:
             nxt = np.empty(g * min(beam, m - kept), np.int64)
             nn = 0
             for r in range(g):
@@ -221,13 +234,55 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
             frontier = nxt[:nn]
         kept = m
         lvl -= 1
-    return kept, norms, P
+
+
+@njit(nogil=True, cache=True)
+def _extra_pages(extra, n_extra, owner, top_level, mark, count, todo, n_pages, need):
+    """Append to ``todo[:n_pages]`` (the bottom pages a walk scans) the pages ``extra[:n_extra]``
+    that it does not scan, once each; ``need`` counts rows. A bottom page is scanned when its
+    owner node was expanded (marked with the walk's stamp, ``mark[0]``), or when the root's
+    children are the bottom level. Returns (pages listed, rows needed)."""
+    if top_level <= 0:
+        return n_pages, need
+    stamp = mark[0]
+    for e in range(n_extra):
+        pg = extra[e]
+        node = owner[pg]
+        if node <= 0 or mark[node] == stamp or count[pg] == 0:
+            continue  # retired, or scanned by the walk
+        dup = False
+        for f in range(e):
+            if extra[f] == pg:
+                dup = True
+                break
+        if dup:
+            continue
+        todo[n_pages] = pg
+        n_pages += 1
+        need += count[pg]
+    return n_pages, need
+
+
+@njit(nogil=True, cache=True)
+def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count, mark,
+                 scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner):
+    """The group's whole walk (:func:`_walk_down`, then its bottom pages and the extra pages
+    scanned); returns (rows scanned, query norms, the queries as the scan takes them:
+    :func:`_prepared`), or -1 rows when the scratch arrays are too short."""
+    V, norms = _unit(queries)
+    P = _prepared(V, keys)
+    todo = np.empty(members.shape[0] + n_extra, np.int32)
+    kept, n_todo = _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, count, mark,
+                              scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner, todo)
+    if kept < 0:
+        return -1, norms, P
+    m = _scan_pages(todo, n_todo, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, kept)
+    return m, norms, P
 
 
 @njit(nogil=True, cache=True)
 def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page, members, count,
-                        node_size, mark, scratch_ids, scratch_pages, scratch_scores, out_ids,
-                        out_scores):
+                        mark, scratch_ids, scratch_pages, scratch_scores, out_ids, out_scores):
     """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
 
     Each query keeps its own beam and its own top-``k``, chosen among everything the group
@@ -237,7 +292,8 @@ def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, ne
     """
     g = queries.shape[0]
     kept, norms, _ = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
-                                  count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+                                  count, mark, scratch_ids, scratch_pages, scratch_scores,
+                                  np.empty(0, np.int32), 0, np.empty(0, np.int32))
     if kept < 0:
         return False
     for r in range(g):
@@ -482,44 +538,10 @@ def peak_pages(pages, starts, scratch_scores, norms, scale, max_pages):
 MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: their index here
 
 
-@njit(nogil=True, cache=True, fastmath=True)
-def _scan_extra(extra, n_extra, P, keys, steps, owner, top_level, mark, members, count, scratch_ids,
-                scratch_pages, scratch_scores, kept):
-    """Append to the walk's scanned rows (``kept`` of them) the bottom-level pages
-    ``extra[:n_extra]`` that the walk did not scan: each page one more run. A bottom page was
-    scanned when its owner node was expanded (marked with this call's stamp, ``mark[0]``), or
-    when the root's children are the bottom level. Returns the new row count, or -1 when the
-    scratch is too short."""
-    if top_level <= 0:
-        return kept
-    stamp = mark[0]
-    need = kept
-    todo = np.empty(n_extra, np.int64)
-    n_todo = 0
-    for e in range(n_extra):
-        pg = extra[e]
-        node = owner[pg]
-        if node <= 0 or mark[node] == stamp or count[pg] == 0:
-            continue  # retired, or scanned by the walk
-        dup = False
-        for f in range(e):
-            if extra[f] == pg:
-                dup = True
-                break
-        if dup:
-            continue
-        todo[n_todo] = pg
-        n_todo += 1
-        need += count[pg]
-    if need > scratch_ids.shape[0]:
-        return -1
-    return _scan_pages(todo, n_todo, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores, kept)
-
-
 @njit(nogil=True, cache=True)
 def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, first_page, next_page,
-                        members, count, node_size, tok_page, mark, scratch_ids, scratch_pages,
-                        scratch_scores, extra, n_extra, owner, merge=0, scale=1.0, take=0):
+                        members, count, tok_page, mark, scratch_ids, scratch_pages, scratch_scores,
+                        extra, n_extra, owner, merge=0, scale=1.0, take=0):
     """``select_group`` with the shared walk of ``search_group_shared``: (pages, tokens, ok).
 
     When ``k`` >= ``max_pages`` x page size (the cache's case: budget pages x page size), each
@@ -541,20 +563,22 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
         if not search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page,
-                                   members, count, node_size, mark, scratch_ids, scratch_pages,
-                                   scratch_scores, ids, scores):
+                                   members, count, mark, scratch_ids, scratch_pages, scratch_scores, ids, scores):
             return none, none, False
         return group_pages(ids, tok_page, max_pages), none, True
-    kept, norms, P = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
-                                  count, node_size, mark, scratch_ids, scratch_pages, scratch_scores)
+    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
+                                  count, mark, scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner)
     if kept < 0:
         return none, none, False
-    if n_extra > 0:
-        kept = _scan_extra(extra, n_extra, P, keys, steps, owner, top_level, mark, members, count,
-                           scratch_ids, scratch_pages, scratch_scores, kept)
-        if kept < 0:
-            return none, none, False
-    tokens = none
+    pages, tokens = _ranked(kept, norms, max_pages, merge, scale, take, scratch_ids, scratch_pages, scratch_scores)
+    return pages, tokens, True
+
+
+@njit(nogil=True, cache=True)
+def _ranked(kept, norms, max_pages, merge, scale, take, scratch_ids, scratch_pages, scratch_scores):
+    """A group walk's (``kept`` scanned rows) ranked pages by the ``merge`` rule and, with
+    ``take`` > 0, its ``take`` tokens (:func:`select_group_shared`)."""
+    tokens = np.empty(0, np.int32)
     weight = np.empty(0, np.float32)
     if take > 0 or merge == 1:  # the rows' weights, once for the pick and the mass merge
         weight = scanned_weights(scratch_scores, norms, scale, kept)
@@ -562,32 +586,103 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
         tokens = top_rows(weight, scratch_ids[:kept], take)
     runs, starts = page_runs(scratch_pages, kept)
     if merge == 1:
-        return mass_pages(runs, starts, weight, max_pages), tokens, True
+        return mass_pages(runs, starts, weight, max_pages), tokens
     if merge == 2:
-        return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens, True
-    return ranks_pages(runs, starts, scratch_scores, max_pages), tokens, True
+        return peak_pages(runs, starts, scratch_scores, norms, scale, max_pages), tokens
+    return ranks_pages(runs, starts, scratch_scores, max_pages), tokens
+
+
+SCAN_ROWS = 256  # rows a task of a layer's bottom-level scan takes (select_heads_shared)
 
 
 @njit(parallel=True, cache=True)
 def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_levels, first_pages, next_pages,
-                        members_t, counts, node_sizes, tok_pages, marks, sids, spgs, sscs, out,
-                        lens, ok, extras, n_extras, owners, merge, scale, take, tok_out, tok_lens):
-    """:func:`select_group_shared` for every KV head of a layer at once, the heads in parallel
-    (numba's threads). queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each
-    head's scratch come as tuples indexed by head. Writes head h's pages to
-    ``out[h, :lens[h]]`` and, with ``take`` > 0, its tokens to ``tok_out[h, :tok_lens[h]]``
-    (``tok_out`` (H, take)); ``ok[h]`` is False when its scratch was too short (nothing
-    written). ``extras`` (H, E) with ``n_extras`` (H,) valid: each head's ``extra`` pages."""
+                        members_t, counts, tok_pages, marks, sids, spgs, sscs, out, lens, ok, extras, n_extras,
+                        owners, merge, scale, take, tok_out, tok_lens):
+    """:func:`select_group_shared` for every KV head of a layer at once, on numba's threads.
+    queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each head's scratch
+    come as tuples indexed by head. Writes head h's pages to ``out[h, :lens[h]]`` and, with
+    ``take`` > 0, its tokens to ``tok_out[h, :tok_lens[h]]`` (``tok_out`` (H, take)); ``ok[h]``
+    is False when its scratch was too short (nothing written). ``extras`` (H, E) with
+    ``n_extras`` (H,) valid: each head's ``extra`` pages.
+
+    On the page path the work is cut where it can be shared: the heads walk down to their
+    bottom level in parallel (:func:`_walk_down`), then every head's bottom pages and extra
+    pages are scanned as tasks of about :data:`SCAN_ROWS` rows in parallel (most of a walk's
+    rows, and a single KV head's too: Gemma 3's one head walked on both cores), then each head
+    ranks its pages. The rows land where one head's walk puts them: the same result."""
     H = queries.shape[0]
+    if k < max_pages * members_t[0].shape[1]:  # points, not pages: a head per task
+        for h in prange(H):
+            pages, tokens, good = select_group_shared(
+                queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h],
+                next_pages[h], members_t[h], counts[h], tok_pages[h], marks[h], sids[h], spgs[h], sscs[h],
+                extras[h], n_extras[h], owners[h], merge, scale, take)
+            _put(h, pages, tokens, good, out, lens, ok, tok_out, tok_lens)
+        return
+    g = queries.shape[1]
+    norms = np.empty((H, g), np.float32)
+    prepared = []
+    width = 0
+    for h in range(H):
+        V, nv = _unit(queries[h])
+        norms[h] = nv
+        prepared.append(_prepared(V, keys_t[h]))
+        width = max(width, members_t[h].shape[0] + n_extras[h])
+    todo = np.empty((H, width), np.int32)
+    kept = np.zeros(H, np.int64)
+    n_todo = np.zeros(H, np.int64)
     for h in prange(H):
-        pages, tokens, good = select_group_shared(
-            queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h], next_pages[h],
-            members_t[h], counts[h], node_sizes[h], tok_pages[h], marks[h], sids[h], spgs[h],
-            sscs[h], extras[h], n_extras[h], owners[h], merge, scale, take)
-        ok[h] = good
-        lens[h] = pages.shape[0]
-        for i in range(pages.shape[0]):
-            out[h, i] = pages[i]
-        tok_lens[h] = tokens.shape[0]
-        for i in range(tokens.shape[0]):
-            tok_out[h, i] = tokens[i]
+        a, b = _walk_down(prepared[h], beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h],
+                          next_pages[h], members_t[h], counts[h], marks[h], sids[h], spgs[h], sscs[h], extras[h],
+                          n_extras[h], owners[h], todo[h])
+        kept[h] = a
+        n_todo[h] = b
+    # the bottom scans' tasks: runs of a head's listed pages of about SCAN_ROWS rows, each with
+    # the row its first page starts at
+    most = 0
+    for h in range(H):
+        most += n_todo[h]
+    first = np.empty(most, np.int64)
+    head = np.empty(most, np.int64)
+    row = np.empty(most, np.int64)
+    n_tasks = 0
+    for h in range(H):
+        if kept[h] < 0:
+            continue
+        count = counts[h]
+        m = kept[h]
+        for i in range(n_todo[h]):
+            if i == 0 or m - row[n_tasks - 1] >= SCAN_ROWS:
+                head[n_tasks] = h
+                first[n_tasks] = i
+                row[n_tasks] = m
+                n_tasks += 1
+            m += count[todo[h, i]]
+        kept[h] = m  # the rows the head holds once scanned
+    for t in prange(n_tasks):
+        h = head[t]
+        end = first[t + 1] if t + 1 < n_tasks and head[t + 1] == h else n_todo[h]
+        P = prepared[h]
+        own = (P[0], P[1], P[2], np.empty_like(P[3]))  # (the block sums' scratch: a task's own)
+        _scan_pages(todo[h, first[t]:end], end - first[t], own, keys_t[h], steps_t[h], members_t[h], counts[h],
+                    sids[h], spgs[h], sscs[h], row[t])
+    none = np.empty(0, np.int32)
+    for h in prange(H):
+        if kept[h] < 0:
+            _put(h, none, none, False, out, lens, ok, tok_out, tok_lens)
+            continue
+        pages, tokens = _ranked(kept[h], norms[h], max_pages, merge, scale, take, sids[h], spgs[h], sscs[h])
+        _put(h, pages, tokens, True, out, lens, ok, tok_out, tok_lens)
+
+
+@njit(nogil=True, cache=True)
+def _put(h, pages, tokens, good, out, lens, ok, tok_out, tok_lens):
+    """Head ``h``'s pages and tokens into :func:`select_heads_shared`'s outputs."""
+    ok[h] = good
+    lens[h] = pages.shape[0]
+    for i in range(pages.shape[0]):
+        out[h, i] = pages[i]
+    tok_lens[h] = tokens.shape[0]
+    for i in range(tokens.shape[0]):
+        tok_out[h, i] = tokens[i]
