@@ -826,12 +826,13 @@ def test_the_integer_block_sums_are_the_int64_dot_products():
 
 
 @pytest.mark.parametrize("walk_keys", ["float32", "int8"])
-def test_one_head_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_keys):
-    """A single KV head (Gemma 3) goes through the layer's parallel call too: a wide beam lists
-    thousands of bottom rows, scanned as several tasks on both threads; pages, carried pages and
-    token picks as the tree's own one-thread walk has them, for one head and beside two more."""
+def test_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_keys, monkeypatch):
+    """Fewer KV heads than threads (Gemma 3's one head): the layer's call cuts the bottom scans
+    into tasks for every thread; a wide beam lists thousands of bottom rows, several tasks a
+    head. Pages, carried pages and token picks as the tree's own one-thread walk has them, for
+    one head and for two (made to split by a larger thread count)."""
+    from icecache.index import walk as walk_mod
     from icecache.index.kernels.shared import SCAN_ROWS
-    from icecache.index.walk import pick_layer, select_layer
 
     trees = []
     for h, n in enumerate((6000, 3000)):
@@ -842,14 +843,15 @@ def test_one_head_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_key
     wide = 0.2
     assert len(trees[0].scanned(queries[0], wide)) > 4 * SCAN_ROWS  # several tasks for the one head
     extra = [t.live_pages()[::7][:12] for t in trees]
+    monkeypatch.setattr(walk_mod.numba, "get_num_threads", lambda: 4)
     for heads in (1, 2):
         for ex in (None, extra):
             e = [None] * heads if ex is None else ex[:heads]
             want = [t.select_group(queries[h], 64, 8, wide, e[h]) for h, t in enumerate(trees[:heads])]
-            got = select_layer(trees[:heads], queries[:heads], 64, 8, wide, ex and ex[:heads])
+            got = walk_mod.select_layer(trees[:heads], queries[:heads], 64, 8, wide, ex and ex[:heads])
             assert [g.tolist() for g in got] == [w.tolist() for w in want]
             picked = [t.pick_group(queries[h], 50, 8, wide, e[h]) for h, t in enumerate(trees[:heads])]
-            pages, tokens = pick_layer(trees[:heads], queries[:heads], 50, 8, wide, ex and ex[:heads])
+            pages, tokens = walk_mod.pick_layer(trees[:heads], queries[:heads], 50, 8, wide, ex and ex[:heads])
             assert [(p.tolist(), k.tolist()) for p, k in zip(pages, tokens, strict=True)] == [
                 (p.tolist(), k.tolist()) for p, k in picked]
 
