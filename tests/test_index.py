@@ -832,6 +832,7 @@ def test_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_keys, monkey
     head. Pages, carried pages and token picks as the tree's own one-thread walk has them, for
     one head and for two (made to split by a larger thread count)."""
     from icecache.index import walk as walk_mod
+    from icecache.index.kernels import shared
     from icecache.index.kernels.shared import SCAN_ROWS
 
     trees = []
@@ -843,7 +844,7 @@ def test_layer_walk_split_into_scan_tasks_equals_the_tree_walk(walk_keys, monkey
     wide = 0.2
     assert len(trees[0].scanned(queries[0], wide)) > 4 * SCAN_ROWS  # several tasks for the one head
     extra = [t.live_pages()[::7][:12] for t in trees]
-    monkeypatch.setattr(walk_mod.numba, "get_num_threads", lambda: 4)
+    monkeypatch.setattr(shared, "get_num_threads", lambda: 4)
     for heads in (1, 2):
         for ex in (None, extra):
             e = [None] * heads if ex is None else ex[:heads]

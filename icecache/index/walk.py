@@ -6,7 +6,6 @@ from __future__ import annotations
 import threading
 import weakref
 
-import numba
 import numpy as np
 
 from . import kernels
@@ -105,7 +104,7 @@ def _layer(trees, queries, k, max_pages, wide, extra, take):
     out, lens, ok, tok_out, tok_lens = w.out
     kernels.select_heads_shared(queries, k, max_pages, w.beams, *w.keys, w.top_levels, *w.links,
                                 *zip(*scratch, strict=True), out, lens, ok, w.extras, w.n_extra, w.owners,
-                                *w.merge, take, tok_out, tok_lens, H < numba.get_num_threads())
+                                *w.merge, take, tok_out, tok_lens, kernels.split_heads(H))
     # a head whose scratch was too short walks again alone, with room to grow
     got = [(out[h, : lens[h]].copy(), tok_out[h, : tok_lens[h]].copy()) if ok[h] else alone(h) for h in range(H)]
     return [g[0] for g in got], [g[1] for g in got]

@@ -9,7 +9,7 @@ References: :func:`search_group_shared` with a beam over every node is
 from __future__ import annotations
 
 import numpy as np
-from numba import njit, prange, types
+from numba import get_num_threads, njit, prange, types
 from numba.extending import overload
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
@@ -593,6 +593,12 @@ def _ranked(kept, norms, max_pages, merge, scale, take, scratch_ids, scratch_pag
 
 
 SCAN_ROWS = 256  # rows a task of a layer's bottom-level scan takes (select_heads_shared)
+
+
+def split_heads(heads: int) -> bool:
+    """Whether a layer's walk of ``heads`` KV heads cuts its bottom scans into tasks
+    (:func:`select_heads_shared`'s ``split``): fewer heads than numba's threads."""
+    return heads < get_num_threads()
 
 
 @njit(parallel=True, cache=True)
