@@ -134,6 +134,14 @@ def compile_cache() -> None:
     # an ice layer's remapped CPU step: the same placement, then the attention
     placed_decode(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0), np.empty((2, 3, 8), np.float32),
                   args, 1, 1, np.ones((16, 8), np.float32), np.zeros((16, 8), np.float32), 8)
+    # the same with rest_estimate's rows (Gemma 3's global layers), at true positions and remapped
+    groups = (np.zeros((2, 8, 4), np.float32), np.zeros((2, 4, 8), np.float32), np.zeros((2, 4), np.float32), 3,
+              np.zeros((2, 8, 0), np.float32), np.zeros((2, 0, 8), np.float32), np.zeros((2, 0), np.float32), 0)
+    paged_decode_fused(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0),
+                       np.empty((2, 3, 8), np.float32), None, q, groups)
+    placed_decode(q, k, k, np.ones((2, 16), np.bool_), np.float32(1), np.float32(0), np.empty((2, 3, 8), np.float32),
+                  args, 1, 1, np.ones((16, 8), np.float32), np.zeros((16, 8), np.float32), 8, groups,
+                  (np.ones(4, np.float32), 20, 10))
     place_rows(np.zeros((2, 5, 8), np.float32), np.zeros((2, 3), np.int64), np.ones(2, np.int64), 1, 1,
                np.ones((4, 8), np.float32), np.zeros((4, 8), np.float32), 8)
     compile_loads()

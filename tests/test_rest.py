@@ -72,6 +72,84 @@ def test_rest_rows_at_one_remapped_distance_score_as_keys_the_model_turned_there
     assert (paged_decode_rest(q, k, v, valid, [(raw.transpose(1, 2), rv, bias)], 0.3, cap) - want).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("cap", [None, 3.0])
+def test_rest_rows_in_the_cpu_kernel_equal_the_reference(cap):
+    """The CPU kernel's estimate rows (paged_decode_fused with groups: blocks of the same
+    softmax) give the reference attention: one group handed as whole tables of which the first
+    pages count, and two groups; -inf biases left out, a query of their own for the rows, a
+    capped score, more rows than one block holds."""
+    from icecache.cache.rest import RestPages, kernel_groups
+    from icecache.cache.score_kernels import DECODE_ROWS, paged_decode_fused
+
+    g = torch.Generator().manual_seed(7)
+    H, G, L, d, cap_pages = 2, 4, 40, 16, 3 * DECODE_ROWS
+    q, rest_q = torch.randn(H, G, d, generator=g), torch.randn(H, G, d, generator=g)
+    k, v = torch.randn(H, L, d, generator=g), torch.randn(H, L, d, generator=g)
+    valid = torch.rand(H, L, generator=g) > 0.3
+    valid[:, 0] = True
+    rest = RestPages(H, d, "cpu")
+    rest._grow(cap_pages)
+    rest.keys_t.copy_(torch.randn(H, d, rest.keys_t.shape[2], generator=g))
+    rest.values.copy_(torch.randn(H, rest.values.shape[1], d, generator=g))
+    for n in (2 * DECODE_ROWS + 37, 5):
+        bias = torch.rand(H, n + 1, generator=g) * 3
+        bias[0, 3] = bias[1, :n // 2] = float("-inf")  # pages loaded whole: no row
+        whole = [(rest.keys_t[:, :, :n], rest.values[:, :n], bias[:, :n])]
+        small = (torch.randn(H, d, 6, generator=g), torch.randn(H, 6, d, generator=g), torch.rand(H, 6, generator=g))
+        for groups in (whole, whole + [small]):
+            arrays = kernel_groups(rest, groups)
+            assert arrays[0].shape[2] > n and arrays[3] == n  # the whole table, not a copy of its pages
+            out = np.full((H, G, d), 9.0, np.float32)
+            paged_decode_fused(q.numpy(), k.numpy(), v.numpy(), valid.numpy(), np.float32(0.3),
+                               np.float32(cap or 0.0), out, None, rest_q.numpy(), arrays)
+            want = paged_decode_rest(q, k, v, valid, groups, 0.3, cap, rest_q)
+            torch.testing.assert_close(torch.from_numpy(out), want, rtol=1e-4, atol=1e-5)
+    # without groups it is the plain kernel
+    out = np.empty((H, G, d), np.float32)
+    paged_decode_fused(q.numpy(), k.numpy(), v.numpy(), valid.numpy(), np.float32(0.3), np.float32(0.0), out)
+    torch.testing.assert_close(torch.from_numpy(out), paged_decode_reference(q, k, v, valid, 0.3), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("positions,spans", [("true", 0), ("remap", 0), ("remap", 2)])
+def test_a_gemma_shaped_rest_step_in_one_cpu_call_equals_its_torch_path(positions, spans, monkeypatch):
+    """Gemma 3's shape (window layers, a global layer with one KV head) with estimate rows that
+    count (a budget of a few pages): its global layer's steps in one numba call (the placement
+    under remapped positions, the estimate rows, the attention) give the logits of the torch path
+    (the placed copy of the keys, the turned query, paged_decode_rest), step by step, with the
+    answer passages pinned (two groups of rows) and without."""
+    from icecache.cache.ice_step import DecodeStep
+    from icecache.methods import make_cache
+
+    from .lab import lab_settings
+    from .test_ice_cache import tiny_model
+
+    model = tiny_model("gemma3", 1)
+    rng = np.random.default_rng(8)
+    prompt, forced = rng.integers(0, 97, 300).tolist(), rng.integers(0, 97, 12).tolist()
+    s = lab_settings(page_size=4, budget=16, sink_pages=2, window_pages=6, dense_layers=1, chunk_size=64,
+                     prefill_budget=64, prefill_queries=4, dense_window=4096, max_context=8192, prefill="sparse",
+                     host_dtype="float32", positions=positions, answer_spans=spans, rest_estimate=True)
+    out = {}
+    for route in ("numba", "torch"):
+        if route == "torch":
+            monkeypatch.setattr(DecodeStep, "_cpu_rows", lambda self, q, _rows, pages_at, scale, softcap:
+                                self._attend_tensors(q, scale, softcap, pages_at))
+        cache = make_cache("ice", model, s)
+        logits = []
+        with torch.inference_mode():
+            cache.begin_prefill(len(prompt))
+            for lo in range(0, len(prompt), 64):
+                model(input_ids=torch.tensor([prompt[lo : lo + 64]]), past_key_values=cache, use_cache=True)
+            for t in forced:
+                logits.append(model(input_ids=torch.tensor([[t]]), past_key_values=cache, use_cache=True).logits[0, -1])
+        layers = cache.ice_layers()
+        assert layers and all(layer.kernel == "rest" for layer in layers)
+        assert all(layer.rest is not None and layer.rest.npages > 8 for layer in layers)  # rows that count
+        assert (cache.remap is not None) == (positions == "remap")
+        out[route] = torch.stack(logits)
+    torch.testing.assert_close(out["numba"], out["torch"], rtol=1e-4, atol=1e-4)
+
+
 def rest_spec(budget: int, on: bool = True, **changes):
     return dataclasses.replace(spec(budget_pages=budget, rest_estimate=on), **changes)
 

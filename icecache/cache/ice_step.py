@@ -39,7 +39,8 @@ from .paged import (
 )
 from .placement import placed, placing, placing_args
 from .positions import place_keys, table_rows
-from .rest import RestPages, step_rest
+from .rest import RestPages, kernel_groups, step_rest
+from .score_kernels import paged_decode_fused
 
 
 def attention_kind(selector, spec, remap) -> str:
@@ -92,30 +93,41 @@ class DecodeStep:
                                scale, merge, softcap)
         self.load()
         t0 = time.perf_counter()
-        rows = r.cpu_rows() if self.remap is not None and self.kernel == "plain" and q.dtype == torch.float32 else None
-        if rows is not None:  # on the CPU in float32: the placement and the attention in one numba call
-            out = self._placed_rows(q, rows, pages_at, scale, softcap)
+        one_call = self.kernel == "rest" or self.kernel == "plain" and self.remap is not None
+        rows = r.cpu_rows() if one_call and q.dtype == torch.float32 else None
+        if rows is not None:  # on the CPU in float32: the placement, the estimate rows and the attention in one numba call
+            out = self._cpu_rows(q, rows, None if self.remap is None else pages_at, scale, softcap)
         else:
             out = self._attend_tensors(q, scale, softcap, None if self.remap is None else pages_at)
         self.backend.timer_sync()
         self.stats.attention_s += time.perf_counter() - t0
         return out.reshape(1, 1, Hq, d)
 
-    def _placed_rows(self, q: torch.Tensor, rows: tuple, pages_at: int, scale: float,
-                     softcap: float | None) -> torch.Tensor:
-        """:meth:`attend`'s remapped attention over the pool's own float32 arrays ``rows``: one
-        numba call (:func:`~.kernels.placed_decode`; the rotation tables grow when a step's
-        placement needs more rows, and stay that long for the layer's later steps)."""
+    def _cpu_rows(self, q: torch.Tensor, rows: tuple, pages_at: int | None, scale: float,
+                  softcap: float | None) -> torch.Tensor:
+        """:meth:`attend`'s attention over the pool's own float32 arrays ``rows`` in one numba
+        call: with remapped positions (``pages_at``: where the pages end) the placement too
+        (:func:`~.kernels.placed_decode`; the rotation tables grow when a step's placement needs
+        more rows, and stay that long for the layer's later steps), and ``rest_estimate``'s rows
+        where this layer has them (:func:`~.rest.kernel_groups`). The reference is
+        :meth:`_attend_tensors`."""
         r = self.resident
-        args = placing_args(r, self.remap, self.passages, self.length, pages_at)
+        rest = self.rest_rows() if self.kernel == "rest" else None
+        groups = None if rest is None else kernel_groups(self.rest, rest)
         qn = np.ascontiguousarray(q.numpy())
         out = np.empty(q.shape, np.float32)
+        cap = np.float32(softcap or 0.0)
+        if pages_at is None:
+            paged_decode_fused(qn, *rows, r.valid, np.float32(scale), cap, out, None, qn, groups)
+            return torch.from_numpy(out)
+        args = placing_args(r, self.remap, self.passages, self.length, pages_at)
         frame = self.remap.frame
+        turn = None if groups is None else (frame.inv_freq.numpy(), self.length - 1, int(pages_at))
         n = max(self._table_rows, r.window_at + 1)
         while True:
             cos_t, sin_t = frame.down_arrays(int(pages_at), n)
-            need = placed_decode(qn, *rows, r.valid, np.float32(scale), np.float32(softcap or 0.0), out, args,
-                                 r.sink_fill, r.pool_at, cos_t, sin_t, frame.rotary_dim)
+            need = placed_decode(qn, *rows, r.valid, np.float32(scale), cap, out, args, r.sink_fill, r.pool_at,
+                                 cos_t, sin_t, frame.rotary_dim, groups, turn)
             if not need:
                 self._table_rows = n
                 return torch.from_numpy(out)

@@ -13,7 +13,7 @@ from numba import njit, prange
 
 from .. import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from ..prefetch import prefetch_row
-from .score_kernels import _f32_bits, paged_decode_fused
+from .score_kernels import _f32_bits, paged_decode_fused, turn_queries
 
 
 @njit(nogil=True, cache=True)
@@ -411,7 +411,8 @@ def pinned_offsets_nb(pool_row, valid, top, keep, cut, with_sink, by_votes, chos
 
 
 @njit(cache=True)
-def placed_decode(q, k, v, valid, scale, cap, out, placing, sink_fill, pool_at, cos_t, sin_t, rotary):
+def placed_decode(q, k, v, valid, scale, cap, out, placing, sink_fill, pool_at, cos_t, sin_t, rotary, groups=None,
+                  turn=None):
     """An ice layer's decode attention with remapped positions on the CPU in one call: the pool
     rows' placement (:func:`pinned_offsets_nb` of the tuple ``placing``,
     :func:`~.placement.placing_args`), then :func:`~.score_kernels.paged_decode_fused` over the
@@ -421,7 +422,13 @@ def placed_decode(q, k, v, valid, scale, cap, out, placing, sink_fill, pool_at, 
     with longer tables). The reference is :func:`~.placement.placing`,
     :func:`~.positions.place_tables` and :func:`~.paged.paged_decode_placed_rows` (a Python
     step of about a hundred microseconds a layer, most of it cold caches' misses between two
-    numba calls)."""
+    numba calls).
+
+    ``groups``: ``rest_estimate``'s rows (:func:`~.score_kernels.paged_decode_fused`), which sit
+    together just past the farthest placed row: the query turns from its position to that
+    distance for them (``turn``: the RoPE frequencies, the query's position, ``pages_at``); the
+    reference is :meth:`~.ice_step.DecodeStep.attend`'s torch path (``place_keys``, the turned
+    query, :func:`~.paged.paged_decode_rest`)."""
     offset, count = pinned_offsets_nb(*placing)
     need = 0
     if pool_at > 0:
@@ -433,7 +440,13 @@ def placed_decode(q, k, v, valid, scale, cap, out, placing, sink_fill, pool_at, 
     need += 1
     if need > cos_t.shape[0]:
         return need
-    paged_decode_fused(q, k, v, valid, scale, cap, out, (offset, count, sink_fill, pool_at, cos_t, sin_t, rotary))
+    place = (offset, count, sink_fill, pool_at, cos_t, sin_t, rotary)
+    if groups is None:
+        paged_decode_fused(q, k, v, valid, scale, cap, out, place)
+    else:
+        inv, at, pages_at = turn
+        far = at - pages_at + count.max()
+        paged_decode_fused(q, k, v, valid, scale, cap, out, place, turn_queries(q, at, far, inv, rotary), groups)
     return 0
 
 

@@ -187,6 +187,25 @@ class RestPages:
         return means[..., :d].transpose(1, 2), means[..., d:], logc
 
 
+def kernel_groups(rest: RestPages, groups: list) -> tuple:
+    """:meth:`RestPages.rest_whole`'s (or :meth:`~RestPages.rest`'s) groups as the CPU kernel
+    takes them (:func:`~.score_kernels.paged_decode_fused`): for each of two groups, its keys
+    transposed (H, d, >= n), values (H, >= n, d) and bias (H, >= n) as C-contiguous float32
+    NumPy arrays, then n (a missing second group: no rows). The cached tables are handed whole
+    (the kernel reads their first n pages), so a step copies none of them; one layout for every
+    call, so numba compiles the kernel once."""
+    out: list = []
+    for gk, gv, gb in groups:
+        n = gk.shape[2]
+        if gk.data_ptr() == rest.keys_t.data_ptr() and gv.data_ptr() == rest.values.data_ptr():
+            gk, gv = rest.keys_t, rest.values  # the whole tables, whose first n pages the group is
+        out += [gk.contiguous().numpy(), gv.contiguous().numpy(), np.ascontiguousarray(gb.numpy()), n]
+    if len(groups) < 2:
+        H, d = rest.heads, rest.head_dim
+        out += [np.zeros((H, d, 0), np.float32), np.zeros((H, 0, d), np.float32), np.zeros((H, 0), np.float32), 0]
+    return tuple(out)
+
+
 def mean_rows(sums: torch.Tensor, d: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Sums (..., 2d + 1: keys, values, count) -> the means (..., 2d) and the log-count (-inf
     where the count is zero)."""
