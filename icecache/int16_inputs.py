@@ -38,14 +38,26 @@ _I8, _I16, _I32 = ir.IntType(8), ir.IntType(16), ir.IntType(32)
 _BYTES, _WORDS, _LONGS = ir.VectorType(_I8, 32), ir.VectorType(_I16, 16), ir.VectorType(_I32, 8)
 
 
-def avx2() -> bool:
-    """Whether numba compiles for a host CPU with AVX2 (its own target, not one set by
-    ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``): then :func:`group_isums` uses ``vpmaddwd``."""
+def _host_has(feature: str) -> bool:
+    """Whether numba compiles for a host CPU with ``feature`` (its own target, not one set by
+    ``NUMBA_CPU_NAME``/``NUMBA_CPU_FEATURES``)."""
     if numba_config.CPU_NAME or numba_config.CPU_FEATURES:
         return False
     import llvmlite.binding as llvm
 
-    return bool(llvm.get_host_cpu_features().get("avx2", False))
+    return bool(llvm.get_host_cpu_features().get(feature, False))
+
+
+def avx2() -> bool:
+    """Whether numba compiles for a host CPU with AVX2: then :func:`group_isums` uses
+    ``vpmaddwd``."""
+    return _host_has("avx2")
+
+
+def avx512() -> bool:
+    """Whether numba compiles for a host CPU with AVX-512 BW: then :func:`group_isums` uses
+    ``vpmaddwd`` on 512-bit registers (:func:`_madd_pairs_wide`)."""
+    return _host_has("avx512bw")
 
 
 def _consts(t: ir.Type, values) -> ir.Constant:
@@ -64,6 +76,23 @@ def _madd_pairs(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast
     prod = builder.mul(builder.sext(weights, wide), builder.sext(inputs, wide))
     even = builder.shuffle_vector(prod, prod, _consts(_I32, range(0, 16, 2)))
     odd = builder.shuffle_vector(prod, prod, _consts(_I32, range(1, 16, 2)))
+    return builder.add(even, odd)
+
+
+_WORDS32, _LONGS16 = ir.VectorType(_I16, 32), ir.VectorType(_I32, 16)
+
+
+def _madd_pairs_wide(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast: bool) -> ir.Value:
+    """:func:`_madd_pairs` on 32 words: (32 int16, 32 int16) -> 16 int32. ``fast``: AVX-512 BW's
+    ``vpmaddwd`` on a 512-bit register; else the same by widened products."""
+    if fast:
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_LONGS16, [_WORDS32, _WORDS32]),
+                                            "llvm.x86.avx512.pmaddw.d.512")
+        return builder.call(fn, [weights, inputs])
+    wide = ir.VectorType(_I32, 32)
+    prod = builder.mul(builder.sext(weights, wide), builder.sext(inputs, wide))
+    even = builder.shuffle_vector(prod, prod, _consts(_I32, range(0, 32, 2)))
+    odd = builder.shuffle_vector(prod, prod, _consts(_I32, range(1, 32, 2)))
     return builder.add(even, odd)
 
 
@@ -92,7 +121,7 @@ def group_isums(typingctx, tiles, b, j0, xq, x0, out):
             and out.dtype == types.int32):
         return None
     sig = types.void(tiles, b, j0, xq, x0, out)
-    fast = avx2()
+    fast, wide = avx2(), avx512()
 
     def codegen(context, builder, signature, args):
         tty, bty, jty, xty, x0ty, oty = signature.args
@@ -105,23 +134,32 @@ def group_isums(typingctx, tiles, b, j0, xq, x0, out):
         orders = (_consts(_I32, [i // 2 + (32 if i % 2 else 0) for i in range(32)]),
                   _consts(_I32, [16 + i // 2 + (32 if i % 2 else 0) for i in range(32)]))
         halves = (_consts(_I32, range(16)), _consts(_I32, range(16, 32)))
-        longs = [ir.Constant(_LONGS, None)] * 8  # rows 0-7, 8-15, ..., 56-63
+        # with AVX-512 BW a part's 16 rows in one 512-bit vpmaddwd, else two 256-bit ones
+        per = 16 if wide else 8
+        vector = _LONGS16 if wide else _LONGS
+        longs = [ir.Constant(vector, None)] * (64 // per)  # rows 0 .. per - 1, per .. 2 per - 1, ...
         for j in range(16):
             pair = builder.load(builder.gep(x_pairs, [ir.Constant(_I32, j)]), align=2)  # (x_2j, x_2j+1)
             xs = _repeat_pair(builder, pair)
+            if wide:
+                xs = builder.shuffle_vector(xs, xs, _consts(_I32, [i % 16 for i in range(32)]))
             for h in range(2):  # rows 0-31, 32-63
                 at = builder.gep(w0, [ir.Constant(_I32, j * BLOCK + 32 * h)])
                 w = builder.load(builder.bitcast(at, _BYTES.as_pointer()), align=1)
                 lo, hi = builder.and_(w, low4), builder.and_(builder.lshr(w, shift4), low4)
                 for part, order in enumerate(orders):
                     words = builder.zext(builder.shuffle_vector(lo, hi, order), ir.VectorType(_I16, 32))
+                    if wide:
+                        k = 2 * h + part
+                        longs[k] = builder.add(longs[k], _madd_pairs_wide(builder, words, xs, True))
+                        continue
                     for q, half in enumerate(halves):
                         k = 4 * h + 2 * part + q
                         got = _madd_pairs(builder, builder.shuffle_vector(words, words, half), xs, fast)
                         longs[k] = builder.add(longs[k], got)
-        for k in range(8):
-            at = builder.gep(dst, [ir.Constant(_I32, 8 * k)])
-            builder.store(longs[k], builder.bitcast(at, _LONGS.as_pointer()), align=4)
+        for k in range(64 // per):
+            at = builder.gep(dst, [ir.Constant(_I32, per * k)])
+            builder.store(longs[k], builder.bitcast(at, vector.as_pointer()), align=4)
         return context.get_dummy_value()
 
     return sig, codegen

@@ -21,16 +21,19 @@ def _layer(rows, inputs, levels=16, seed=0):
     return u, step, low, x
 
 
-def _madd_kernel(fast):
+def _madd_kernel(fast, wide=False):
+    words, longs = ((int16_inputs._WORDS32, int16_inputs._LONGS16) if wide else
+                    (int16_inputs._WORDS, int16_inputs._LONGS))
+    madd_pairs = int16_inputs._madd_pairs_wide if wide else int16_inputs._madd_pairs
+
     @intrinsic
     def madd(typingctx, w, x, out):
         sig = types.void(w, x, out)
 
         def codegen(context, builder, signature, args):
             ptrs = [builder.bitcast(context.make_array(t)(context, builder, a).data, ty.as_pointer())
-                    for t, a, ty in zip(signature.args, args, (int16_inputs._WORDS, int16_inputs._WORDS,
-                                                                 int16_inputs._LONGS), strict=True)]
-            got = int16_inputs._madd_pairs(builder, builder.load(ptrs[0], align=1), builder.load(ptrs[1], align=1), fast)
+                    for t, a, ty in zip(signature.args, args, (words, words, longs), strict=True)]
+            got = madd_pairs(builder, builder.load(ptrs[0], align=1), builder.load(ptrs[1], align=1), fast)
             builder.store(got, ptrs[2], align=1)
             return context.get_dummy_value()
 
@@ -44,17 +47,21 @@ def _madd_kernel(fast):
 
 
 @pytest.mark.parametrize("fast", [False, True])
-def test_the_pair_sums_are_exact_in_both_forms(fast):
-    if fast and not int16_inputs.avx2():
-        pytest.skip("no AVX2 on this CPU")
+@pytest.mark.parametrize("wide", [False, True])
+def test_the_pair_sums_are_exact_in_both_forms(fast, wide):
+    """vpmaddwd on 256-bit (AVX2) and 512-bit (AVX-512 BW) registers, and the plain vector
+    arithmetic that stands in for each elsewhere."""
+    if fast and not (int16_inputs.avx512() if wide else int16_inputs.avx2()):
+        pytest.skip("no AVX-512 BW on this CPU" if wide else "no AVX2 on this CPU")
     rng = np.random.default_rng(1)
-    run = _madd_kernel(fast)
+    run = _madd_kernel(fast, wide)
+    n = 32 if wide else 16
     for _ in range(20):
-        w = rng.integers(0, 16, 16).astype(np.int16)
-        x = rng.integers(-32767, 32768, 16).astype(np.int16)
-        out = np.zeros(8, np.int32)
+        w = rng.integers(0, 16, n).astype(np.int16)
+        x = rng.integers(-32767, 32768, n).astype(np.int16)
+        out = np.zeros(n // 2, np.int32)
         run(w, x, out)
-        want = (w.astype(np.int64) * x.astype(np.int64)).reshape(8, 2).sum(axis=1)
+        want = (w.astype(np.int64) * x.astype(np.int64)).reshape(n // 2, 2).sum(axis=1)
         assert np.array_equal(out, want)
 
 
