@@ -56,7 +56,7 @@ def avx2() -> bool:
 
 def avx512() -> bool:
     """Whether numba compiles for a host CPU with AVX-512 BW: then :func:`group_isums` uses
-    ``vpmaddwd`` on 512-bit registers (:func:`_madd_pairs_wide`)."""
+    ``vpmaddwd`` on 512-bit registers (:func:`_madd_pairs`)."""
     return _host_has("avx512bw")
 
 
@@ -65,34 +65,23 @@ def _consts(t: ir.Type, values) -> ir.Constant:
     return ir.Constant(ir.VectorType(t, len(values)), [ir.Constant(t, v) for v in values])
 
 
-def _madd_pairs(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast: bool) -> ir.Value:
-    """(16 int16, 16 int16) -> 8 int32: ``w[2i] * x[2i] + w[2i + 1] * x[2i + 1]``. ``fast``:
-    AVX2's ``vpmaddwd``; else the same by widened products."""
-    if fast:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_LONGS, [_WORDS, _WORDS]),
-                                            "llvm.x86.avx2.pmadd.wd")
-        return builder.call(fn, [weights, inputs])
-    wide = ir.VectorType(_I32, 16)
-    prod = builder.mul(builder.sext(weights, wide), builder.sext(inputs, wide))
-    even = builder.shuffle_vector(prod, prod, _consts(_I32, range(0, 16, 2)))
-    odd = builder.shuffle_vector(prod, prod, _consts(_I32, range(1, 16, 2)))
-    return builder.add(even, odd)
-
-
 _WORDS32, _LONGS16 = ir.VectorType(_I16, 32), ir.VectorType(_I32, 16)
 
 
-def _madd_pairs_wide(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast: bool) -> ir.Value:
-    """:func:`_madd_pairs` on 32 words: (32 int16, 32 int16) -> 16 int32. ``fast``: AVX-512 BW's
-    ``vpmaddwd`` on a 512-bit register; else the same by widened products."""
+def _madd_pairs(builder: ir.IRBuilder, weights: ir.Value, inputs: ir.Value, fast: bool) -> ir.Value:
+    """(n int16, n int16) -> n / 2 int32, n 16 or 32: ``w[2i] * x[2i] + w[2i + 1] * x[2i + 1]``.
+    ``fast``: ``vpmaddwd`` (AVX2's on 16 words, AVX-512 BW's on 32); else the same by widened
+    products."""
+    n = weights.type.count
     if fast:
-        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_LONGS16, [_WORDS32, _WORDS32]),
-                                            "llvm.x86.avx512.pmaddw.d.512")
+        words, longs = (_WORDS, _LONGS) if n == 16 else (_WORDS32, _LONGS16)
+        name = "llvm.x86.avx2.pmadd.wd" if n == 16 else "llvm.x86.avx512.pmaddw.d.512"
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(longs, [words, words]), name)
         return builder.call(fn, [weights, inputs])
-    wide = ir.VectorType(_I32, 32)
+    wide = ir.VectorType(_I32, n)
     prod = builder.mul(builder.sext(weights, wide), builder.sext(inputs, wide))
-    even = builder.shuffle_vector(prod, prod, _consts(_I32, range(0, 32, 2)))
-    odd = builder.shuffle_vector(prod, prod, _consts(_I32, range(1, 32, 2)))
+    even = builder.shuffle_vector(prod, prod, _consts(_I32, range(0, n, 2)))
+    odd = builder.shuffle_vector(prod, prod, _consts(_I32, range(1, n, 2)))
     return builder.add(even, odd)
 
 
@@ -151,7 +140,7 @@ def group_isums(typingctx, tiles, b, j0, xq, x0, out):
                     words = builder.zext(builder.shuffle_vector(lo, hi, order), ir.VectorType(_I16, 32))
                     if wide:
                         k = 2 * h + part
-                        longs[k] = builder.add(longs[k], _madd_pairs_wide(builder, words, xs, True))
+                        longs[k] = builder.add(longs[k], _madd_pairs(builder, words, xs, True))
                         continue
                     for q, half in enumerate(halves):
                         k = 4 * h + 2 * part + q

@@ -24,7 +24,6 @@ def _layer(rows, inputs, levels=16, seed=0):
 def _madd_kernel(fast, wide=False):
     words, longs = ((int16_inputs._WORDS32, int16_inputs._LONGS16) if wide else
                     (int16_inputs._WORDS, int16_inputs._LONGS))
-    madd_pairs = int16_inputs._madd_pairs_wide if wide else int16_inputs._madd_pairs
 
     @intrinsic
     def madd(typingctx, w, x, out):
@@ -33,7 +32,7 @@ def _madd_kernel(fast, wide=False):
         def codegen(context, builder, signature, args):
             ptrs = [builder.bitcast(context.make_array(t)(context, builder, a).data, ty.as_pointer())
                     for t, a, ty in zip(signature.args, args, (words, words, longs), strict=True)]
-            got = madd_pairs(builder, builder.load(ptrs[0], align=1), builder.load(ptrs[1], align=1), fast)
+            got = int16_inputs._madd_pairs(builder, builder.load(ptrs[0], align=1), builder.load(ptrs[1], align=1), fast)
             builder.store(got, ptrs[2], align=1)
             return context.get_dummy_value()
 
