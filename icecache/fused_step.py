@@ -215,19 +215,34 @@ def decoder_layer(x, layer, cos, sin, kbuf, vbuf, slot, rows, scale, cap, H, Hk,
 
 
 @njit(fastmath=True, cache=True)
-def decoder_layers(x, layers, kbufs, vbufs, slots, rows, angle, coss, sins, scales, caps, H, Hk, d):
+def decoder_layers(x, layers, keys, values, at, slots, rows, angle, coss, sins, scales, caps, H, Hk, d):
     """Every layer of a step through :func:`decoder_layer`, none of them clamped, in one call:
-    ``layers`` (a typed list) holds each layer's values, ``kbufs``/``vbufs`` (typed lists) its
-    row buffers, ``slots``/``rows`` its new row's slot and the rows it attends, ``angle`` the row
-    of ``coss``/``sins`` (kinds, d) its RoPE takes, ``scales``/``caps`` its scores' scale and
-    cap. One call instead of one a layer (each call unboxes some twenty-five arrays and its
+    ``layers`` (a typed list) holds each layer's values; ``keys``/``values`` the row buffers as
+    two typed lists each, float32 rows and 16-bit rows (:func:`_row_lists`), layer ``i``'s in
+    list ``at[i, 0]`` at ``at[i, 1]`` (keys) and ``at[i, 2]`` at ``at[i, 3]`` (values), so that
+    layers of both kinds (Gemma 3's float window rings beside its 16-bit global layers) run in
+    the one call; ``slots``/``rows`` its new row's slot and the rows it attends, ``angle`` the
+    row of ``coss``/``sins`` (kinds, d) its RoPE takes, ``scales``/``caps`` its scores' scale
+    and cap. One call instead of one a layer (each call unboxes some twenty-five arrays and its
     tuples): the embedded model's 1k step 27.9 against 31.6 ms on a 2-core AVX2 machine
     (medians of 16 alternated blocks of 16 steps)."""
     no_turn = np.zeros((d, d), np.float32)
     no_k0 = np.zeros((Hk, 0, d), np.float32)
     for i in range(len(layers)):
-        x = decoder_layer(x, layers[i], coss[angle[i]], sins[angle[i]], kbufs[i], vbufs[i], slots[i], rows[i],
-                          scales[i], caps[i], H, Hk, d, no_turn, no_k0, 0)
+        cos, sin = coss[angle[i]], sins[angle[i]]
+        k, v = at[i, 1], at[i, 3]
+        if at[i, 0] == 0 and at[i, 2] == 0:
+            x = decoder_layer(x, layers[i], cos, sin, keys[0][k], values[0][v], slots[i], rows[i], scales[i],
+                              caps[i], H, Hk, d, no_turn, no_k0, 0)
+        elif at[i, 0] == 0:
+            x = decoder_layer(x, layers[i], cos, sin, keys[0][k], values[1][v], slots[i], rows[i], scales[i],
+                              caps[i], H, Hk, d, no_turn, no_k0, 0)
+        elif at[i, 2] == 0:
+            x = decoder_layer(x, layers[i], cos, sin, keys[1][k], values[0][v], slots[i], rows[i], scales[i],
+                              caps[i], H, Hk, d, no_turn, no_k0, 0)
+        else:
+            x = decoder_layer(x, layers[i], cos, sin, keys[1][k], values[1][v], slots[i], rows[i], scales[i],
+                              caps[i], H, Hk, d, no_turn, no_k0, 0)
     return x
 
 
@@ -367,22 +382,46 @@ def _typed_list(items: list):
     return out
 
 
+# The 16-bit rows' types in the kernels (kernel_rows): float16 keys, bfloat16 values (GrowingLayer)
+HALF_KEYS, HALF_VALUES = np.int16, np.uint16
+
+
 def _row_lists(layers: list, bufs: list):
     """The layers' key and value buffers ``bufs`` ((keys, values) tensors a layer) as
-    :func:`~icecache.cache.dense.kernel_rows` arrays in two typed lists, kept on the first layer
-    while no buffer changes (a buffer grows every ``min_capacity`` rows or more; making the lists
-    takes about a millisecond), or None where the buffers differ in dtype."""
+    :func:`~icecache.cache.dense.kernel_rows` arrays for :func:`decoder_layers`: (keys, values,
+    at), ``keys`` the float32 and the float16 buffers in two typed lists, ``values`` the float32
+    and the bfloat16 ones, ``at`` (L, 4) where each layer's are; kept on the first layer while no
+    buffer changes (a buffer grows every ``min_capacity`` rows or more; making the lists takes
+    about a millisecond), or None where a buffer is of another kind. The lists' types are the
+    same whichever kinds the layers hold (an empty list is typed all the same), so numba compiles
+    one call for float rows, 16-bit rows and both."""
     keep = getattr(layers[0], "_fused_rows", None)
     if (keep is not None and len(keep[0]) == len(bufs)
             and all(a is k and b is v for a, b, (k, v) in zip(keep[0], keep[1], bufs, strict=True))):
         return keep[2]
-    lists = None
     rows = [(kernel_rows(k[0]), kernel_rows(v[0])) for k, v in bufs]
-    if all(k is not None and v is not None for k, v in rows):
-        ks, vs = _typed_list([k for k, _ in rows]), _typed_list([v for _, v in rows])
-        lists = None if ks is None or vs is None else (ks, vs)
+    keys, key_at = two_lists([k for k, _ in rows], HALF_KEYS)
+    values, value_at = two_lists([v for _, v in rows], HALF_VALUES)
+    lists = None if keys is None or values is None else (keys, values, np.concatenate([key_at, value_at], axis=1))
     layers[0]._fused_rows = ([k for k, _ in bufs], [v for _, v in bufs], lists)
     return lists
+
+
+def two_lists(arrays: list, half: type):
+    """``arrays`` (3-D, C order) as two typed lists, the float32 ones and the ``half`` ones, and
+    each one's (list, index) (n, 2); (None, None) where one is None or of another dtype."""
+    from numba import typeof
+    from numba.typed import List
+
+    lists = tuple(List.empty_list(typeof(np.zeros((1, 1, 1), t))) for t in (np.float32, half))
+    at = np.zeros((len(arrays), 2), np.int64)
+    for i, a in enumerate(arrays):
+        if a is None or a.dtype not in (np.float32, half) or not a.flags.c_contiguous:
+            return None, None
+        kind = 0 if a.dtype == np.float32 else 1
+        at[i] = kind, len(lists[kind])
+        lists[kind].append(a)
+    return lists, at
 
 
 def _angle_table(angles: list) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -437,7 +476,7 @@ def _run_whole(fused: FusedLayers, layers: list, lo: int, xn: np.ndarray, table:
     typed = fused.typed(lo, hi) if all(c is None for c in clamps) else None
     lists = _row_lists(layers, bufs) if typed is not None else None
     if lists is not None:
-        xn = decoder_layers(xn, typed, lists[0], lists[1], np.array(slots, np.int64), np.array(rows, np.int64),
+        xn = decoder_layers(xn, typed, *lists, np.array(slots, np.int64), np.array(rows, np.int64),
                             angle[lo:hi], coss, sins, scales[lo:hi], caps[lo:hi], heads, kv_heads, d)
     else:
         no_turn = np.zeros((d, d), np.float32)

@@ -11,7 +11,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import doc_cache, prompts
-from .cache.dense import GrowingLayer
 from .checks import SUMMARY_REPETITION_PENALTY, check_generation_room, check_questions, context_limit
 from .config import Settings
 from .errors import InputError
@@ -93,8 +92,7 @@ class Runner:
             dense = ""
             dense_run, clamp = dense_plan(self.method, self.loaded.model, plan, total, prompt_tokens)
             if dense_run:
-                half = (dense_kv_dtype(plan, self.loaded.model.device) is not None
-                        and total > GrowingLayer.decode_min_rows)  # (shorter runs keep float keys)
+                half = dense_kv_dtype(plan, self.loaded.model.device) is not None
                 exact = "" if half or clamp is not None else "exact: "
                 extra = "; float16 keys, bfloat16 values" if half else ""
                 if clamp is not None:

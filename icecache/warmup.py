@@ -152,20 +152,23 @@ def compile_cache() -> None:
                     np.empty(1, np.float32), np.empty(1, np.float32))
     grouped_product(np.zeros((1, 32, 64), np.uint8), np.zeros((1, 1, 2, 64), np.float32),
                     np.zeros(32, np.float32), np.empty(1, np.float32))
-    from .fused_step import NO_BIAS, SILU, _typed_list, decoder_layer, decoder_layers  # a dense step's layers
+    from . import fused_step as fs  # a dense step's layers
 
     tiles, tables = np.zeros((1, 64, 64), np.uint8), np.zeros((1, 2, 2, 64), np.float32)
     f32 = np.float32
-    layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (NO_BIAS,) * 7, np.full(7, 64, np.int64),
-             np.zeros((0, 16), f32), SILU, False)
-    for kd, vd in ((f32, f32), (np.int16, np.uint16)):  # float32; float16 keys, bfloat16 values
-        kbuf, vbuf = np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd)
-        decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, 1, f32(0.25),
-                      f32(0.0), 4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
-        one = np.ones(1, np.int64)
-        decoder_layers(np.ones(64, f32), _typed_list([layer]), _typed_list([kbuf]), _typed_list([vbuf]), one - 1,
-                       one, one - 1, np.ones((1, 16), f32), np.zeros((1, 16), f32), np.full(1, 0.25, f32),
-                       np.zeros(1, f32), 4, 2, 16)
+    layer = (np.ones((2, 64), f32), f32(1e-6), (tiles,) * 7, (tables,) * 7, (fs.NO_BIAS,) * 7,
+             np.full(7, 64, np.int64), np.zeros((0, 16), f32), fs.SILU, False)
+    bufs = [(np.zeros((2, 8, 16), kd), np.zeros((2, 8, 16), vd))  # float32; float16 keys, bfloat16 values
+            for kd, vd in ((f32, f32), (fs.HALF_KEYS, fs.HALF_VALUES))]
+    for kbuf, vbuf in bufs:
+        fs.decoder_layer(np.ones(64, f32), layer, np.ones(16, f32), np.zeros(16, f32), kbuf, vbuf, 0, 1,
+                         f32(0.25), f32(0.0), 4, 2, 16, np.zeros((16, 16), f32), np.zeros((2, 8, 16), f32), 0)
+    keys, key_at = fs.two_lists([k for k, _ in bufs], fs.HALF_KEYS)
+    values, value_at = fs.two_lists([v for _, v in bufs], fs.HALF_VALUES)
+    two = np.ones(2, np.int64)
+    fs.decoder_layers(np.ones(64, f32), fs._typed_list([layer, layer]), keys, values,  # one float, one 16-bit
+                      np.concatenate([key_at, value_at], axis=1), two - 1, two, two - 1, np.ones((1, 16), f32),
+                      np.zeros((1, 16), f32), np.full(2, 0.25, f32), np.zeros(2, f32), 4, 2, 16)
 
 
 def convert_embedded() -> None:

@@ -47,8 +47,6 @@ def test_a_clamped_decode_equals_keys_placed_at_the_farthest_trained_distance(T,
     rotated = frame.rotate(k0, torch.zeros(T + 12, dtype=torch.long), torch.arange(T + 12))
     layer = GrowingLayer(torch.bfloat16 if half else None, clamp=frame)
     layer.clamp_ahead = 4  # (several blocks of un-rotated copies)
-    if half:
-        layer.decode_min_rows = 1
     layer.update(rotated[None, :, : T - 8], v[None, :, : T - 8])  # the prompt
     scale = d**-0.5
 

@@ -11,7 +11,6 @@ def _filled(T: int, H: int = 3, d: int = 16, seed: int = 0):
 
     g = torch.Generator().manual_seed(seed)
     layer = GrowingLayer(torch.bfloat16)
-    layer.decode_min_rows = 1
     k = torch.randn(1, H, T - 1, d, generator=g)
     v = torch.randn(1, H, T - 1, d, generator=g)
     layer.update(k, v)  # a prompt chunk
@@ -20,32 +19,34 @@ def _filled(T: int, H: int = 3, d: int = 16, seed: int = 0):
     return layer, torch.cat([k, k1], 2), torch.cat([v, v1], 2), keys, values
 
 
-def test_a_growing_layer_takes_the_decode_dtype_at_its_first_long_decode_step():
+def test_a_growing_layer_takes_the_decode_dtype_at_its_first_decode_step():
     from icecache.cache.dense import GrowingLayer
 
-    layer = GrowingLayer(torch.bfloat16)  # decode_min_rows: 2048
+    layer = GrowingLayer(torch.bfloat16)
     k, v = torch.randn(1, 2, 40, 8), torch.randn(1, 2, 40, 8)
     keys, values = layer.update(k, v)
     assert values.dtype == torch.float32 and torch.equal(values, v)  # the prompt stays exact
-    _, values = layer.update(k[:, :, :1], v[:, :, :1])
-    assert values.dtype == torch.float32  # 41 rows: below decode_min_rows, still float
-    layer.decode_min_rows = 41
-    keys, values = layer.update(k[:, :, 1:2], v[:, :, 1:2])
-    assert keys.dtype == torch.float16 and values.dtype == torch.bfloat16 and values.shape[2] == 42
-    assert torch.equal(keys[:, :, :40], k.half()) and torch.equal(keys[:, :, 41], k[:, :, 1].half())
-    assert torch.equal(values[:, :, :40], v.bfloat16()) and torch.equal(values[:, :, 41], v[:, :, 1].bfloat16())
+    more = torch.randn(1, 2, 30, 8)
+    keys, values = layer.update(more, more)  # so does a second prompt chunk
+    assert values.dtype == torch.float32 and values.shape[2] == 70
+    k, v = torch.cat([k, more], 2), torch.cat([v, more], 2)
+    step = torch.randn(1, 2, 2, 8)
+    layer.update(step[:, :, :1], step[:, :, :1])  # the first decode step converts (however few rows)
+    keys, values = layer.update(step[:, :, 1:], step[:, :, 1:])
+    assert keys.dtype == torch.float16 and values.dtype == torch.bfloat16 and values.shape[2] == 72
+    assert torch.equal(keys[:, :, :70], k.half()) and torch.equal(keys[:, :, 70:], step.half())
+    assert torch.equal(values[:, :, :70], v.bfloat16()) and torch.equal(values[:, :, 70:], step.bfloat16())
     # a prompt chunk after that (a second question) attends in float: copies of the held rows
     more = torch.randn(1, 2, 300, 8)  # grows the buffer too
     keys, values = layer.update(more, more)
-    assert values.dtype == torch.float32 and values.shape[2] == 342
-    assert torch.equal(values[:, :, 42:], more.bfloat16().float()) and torch.equal(keys[:, :, 42:], more.half().float())
+    assert values.dtype == torch.float32 and values.shape[2] == 372
+    assert torch.equal(values[:, :, 72:], more.bfloat16().float()) and torch.equal(keys[:, :, 72:], more.half().float())
     assert layer.values.dtype == torch.bfloat16 and layer.keys.dtype == torch.float16
     layer.crop(-300)
-    assert layer.get_seq_length() == 42 and layer.values.shape[2] == 42
+    assert layer.get_seq_length() == 72 and layer.values.shape[2] == 72
     assert layer.device_bytes() == 2 * layer._k.numel() * 2  # half of float32's
     # keys that float16 cannot hold stay in the model's dtype
     big = GrowingLayer(torch.bfloat16)
-    big.decode_min_rows = 1
     big.update(k * 1e4, v)
     keys, values = big.update(k[:, :, :1], v[:, :, :1])
     assert keys.dtype == torch.float32 and values.dtype == torch.bfloat16
@@ -103,12 +104,10 @@ def test_the_dense_kv_setting_picks_bfloat16_for_a_float32_model_on_any_cpu(monk
 
 def test_a_dense_session_decodes_from_bfloat16_close_to_float(loaded, cpu_settings, monkeypatch):
     """The ``dense`` method and an all-dense ice run with ``dense_kv: bfloat16``: the layers turn
-    to bfloat16 once decoding starts past ``decode_min_rows``, the logits stay close to float's,
+    to bfloat16 at the first decode step, the logits stay close to float's,
     and the greedy tokens are float's here."""
-    from icecache.cache.dense import GrowingLayer
     from icecache.generation import Session
 
-    monkeypatch.setattr(GrowingLayer, "decode_min_rows", 64)
     text = " ".join(f"Bay {i}: the crane moved crate {i * 7 % 89} to the north quay." for i in range(30))
     ids = loaded.tokenizer(text)["input_ids"][:260]
     for method, extra in (("dense", {}), ("ice", {"dense_until": 400})):

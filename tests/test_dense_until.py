@@ -72,7 +72,7 @@ def test_the_command_line_says_a_short_run_is_dense_and_warns_of_an_unused_budge
     r = run_cli(["summarize", str(EXAMPLE), "--max-new-tokens", "2", "--budget", "64", "--stats"], stdin=None)
     err = r.stderr.decode()
     assert r.returncode == 0, err[-2000:]
-    assert "every layer dense (exact: the run fits dense_until, 9216 tokens)" in err  # 685 tokens: float
+    assert "every layer dense (the run fits dense_until, 9216 tokens; float16 keys, bfloat16 values)" in err
     assert err.count("--budget 64 has no effect on this run") == 1 and "all_dense=True" in err
     paged = run_cli(["summarize", str(EXAMPLE), "--max-new-tokens", "2", "--budget", "64", "--stats",
                      "--profile", quick_profile], stdin=None)  # dense_until: 0

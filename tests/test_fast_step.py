@@ -15,7 +15,7 @@ from tests.test_ice_cache import tiny_model
 
 def small_settings(**changes):
     base = dict(page_size=4, budget=16, sink_pages=1, window_pages=2, dense_layers=1, chunk_size=64,
-                rest_estimate=True, prefill="full", pipeline=False)
+                rest_estimate=True, prefill="full", pipeline=False, dense_kv="model")
     base.update(changes)
     return resolve_settings("cpu").replace(**base)
 

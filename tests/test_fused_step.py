@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 
+import numpy as np
 import pytest
 import torch
 
@@ -214,7 +215,7 @@ def test_the_embedded_models_fused_steps_are_its_float_forward(loaded, monkeypat
     int4.lm_head = loaded.model.lm_head  # (the float head: the checked head's other logits are int8's)
     ids = loaded.tokenizer(" ".join(f"Ship {i} docked at pier {i * 7 % 40} before noon." for i in range(40)))["input_ids"]
     forced = loaded.tokenizer(" The ship that docked at pier 14 was ship 2, then more ships came.")["input_ids"]
-    settings = resolve_settings("cpu", weights="int4", decode_inputs="float").replace(chunk_size=256)
+    settings = resolve_settings("cpu", weights="int4", decode_inputs="float").replace(chunk_size=256, dense_kv="model")
     total = len(ids) + len(forced) + 1
     ref = forced_logits(loaded.model, DynamicCache(config=loaded.model.config), ids, forced)
     prepare_model("ice", int4, settings, total)
@@ -261,10 +262,38 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
         assert err <= 1e-5 * float(a.abs().max()), f"step {i}: {err:.2e}"  # (about 3e-7 here)
 
 
+def test_float_rings_and_16_bit_layers_decode_in_one_call_as_the_torch_step(monkeypatch):
+    """Gemma 3 with ``dense_kv: bfloat16``: its global layers' rows in float16 keys and bfloat16
+    values from the first decode step, its window layers' rings in float32; the fused layers run
+    both kinds in one call a step, within float rounding of the float model's torch step over
+    the same cache (which reads the same 16-bit rows)."""
+    from icecache.cache.window import WindowLayer
+
+    float_model, model = exact_int4("gemma3")
+    g = torch.Generator().manual_seed(12)
+    prompt = torch.randint(0, 97, (90,), generator=g).tolist()
+    forced = torch.randint(0, 97, (32,), generator=g).tolist()
+    settings = small_settings(dense_until=1024, dense_kv="bfloat16")
+    total = len(prompt) + len(forced) + 1
+    outs, whole = [], []
+    one_call = fused_step.decoder_layers
+    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
+    for m in (float_model, model):
+        prepare_model("dense", m, settings, total)
+        cache = make_cache("dense", m, settings, total)
+        outs.append(forced_logits(m, cache, prompt, forced, FastStep(m)))
+        kinds = {type(layer) is WindowLayer: (layer.keys.dtype, layer.values.dtype) for layer in cache.layers}
+        assert kinds == {True: (torch.float32, torch.float32), False: (torch.float16, torch.bfloat16)}
+    assert len(whole) == len(forced)  # the int4 model's steps, each in one call
+    for i, (a, b) in enumerate(zip(*outs, strict=True)):
+        err = float((a - b).abs().max())
+        assert err <= 1e-5 * float(a.abs().max()), f"step {i}: {err:.2e}"
+
+
 def test_the_row_lists_follow_the_layers_buffers():
     """``_row_lists``: the same lists while no buffer changes, new ones when a buffer grows or
-    takes its 16-bit dtype, none where the layers' buffers differ in dtype (a layer whose keys
-    float16 cannot hold keeps float32 keys): the one call then gives way to a call a layer."""
+    takes its 16-bit dtype; float32 and 16-bit buffers side by side (a layer whose keys float16
+    cannot hold keeps float32 keys) in the lists of their kinds, each layer's place in ``at``."""
     from icecache.cache.dense import GrowingLayer
     from icecache.fused_step import _row_lists as row_lists
 
@@ -273,26 +302,32 @@ def test_the_row_lists_follow_the_layers_buffers():
 
     def layer(scale):
         g = GrowingLayer(torch.bfloat16)
-        g.decode_min_rows = 1
         g.update(torch.randn(1, 2, 30, 8) * scale, torch.randn(1, 2, 30, 8))
         return g
 
     layers = [layer(1.0), layer(1.0)]
     first = _row_lists(layers)
-    assert first is not None and len(first[0]) == 2 and first[0][0].dtype.name == "float32"
+    (kf, kh), (vf, vh), at = first
+    assert (len(kf), len(kh), len(vf), len(vh)) == (2, 0, 2, 0) and at.tolist() == [[0, 0, 0, 0], [0, 1, 0, 1]]
     assert _row_lists(layers) is first
     for g in layers:  # a decode step: 16-bit rows
         g.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
     half = _row_lists(layers)
-    assert half is not first and half[0][0].dtype.name == "int16" and half[1][0].dtype.name == "uint16"
+    (kf, kh), (vf, vh), at = half
+    assert half is not first and (len(kf), len(vf)) == (0, 0) and at.tolist() == [[1, 0, 1, 0], [1, 1, 1, 1]]
+    assert kh[1].dtype.name == "int16" and vh[1].dtype.name == "uint16"
+    assert np.shares_memory(kh[1], layers[1]._k.numpy().view(np.int16))  # the buffers themselves
     layers[0]._reserve(layers[0]._k.shape[2] + 1, layers[0]._k, layers[0]._v)  # a buffer grows
     grown = _row_lists(layers)
-    assert grown is not half and grown[0][0].shape[1] == layers[0]._k.shape[2]
-    mixed = [layer(1.0), layer(1e4)]
+    assert grown is not half and grown[0][1][0].shape[1] == layers[0]._k.shape[2]
+    mixed = [layer(1.0), layer(1e4), layer(1.0)]
+    mixed[2].decode_dtype = None  # (float rows throughout, as a window layer's ring)
     for g in mixed:
         g.update(torch.randn(1, 2, 1, 8), torch.randn(1, 2, 1, 8))
-    assert (mixed[0]._k.dtype, mixed[1]._k.dtype) == (torch.float16, torch.float32)
-    assert _row_lists(mixed) is None
+    assert [(g._k.dtype, g._v.dtype) for g in mixed] == [(torch.float16, torch.bfloat16), (torch.float32, torch.bfloat16),
+                                                         (torch.float32, torch.float32)]
+    (kf, kh), (vf, vh), at = _row_lists(mixed)
+    assert at.tolist() == [[1, 0, 1, 0], [0, 0, 1, 1], [0, 1, 0, 0]] and (len(kf), len(kh), len(vf), len(vh)) == (2, 1, 1, 2)
 
 
 def test_decode_inputs_reach_the_embedded_models_fused_layers():
