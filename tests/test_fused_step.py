@@ -230,6 +230,22 @@ def test_the_embedded_models_fused_steps_are_its_float_forward(loaded, monkeypat
         assert int(a.argmax()) == int(b.argmax())
 
 
+def _torch_and_fused(method: str, float_model, model, settings, prompt: list[int], forced: list[int], monkeypatch,
+                     **cache_args):
+    """``method``'s forced logits through the float model's torch step and through the int4
+    model's fused layers, each over its own cache: (logits of both, the two caches, one entry for
+    each one-call step of the fused layers, :func:`~icecache.fused_step.decoder_layers`)."""
+    total = len(prompt) + len(forced) + 1
+    outs, caches, whole = [], [], []
+    one_call = fused_step.decoder_layers
+    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
+    for m in (float_model, model):
+        prepare_model(method, m, settings, total)
+        caches.append(make_cache(method, m, settings, total, **cache_args))
+        outs.append(forced_logits(m, caches[-1], prompt, forced, FastStep(m)))
+    return outs, caches, whole
+
+
 @pytest.mark.parametrize("dense_kv", ["model", "bfloat16"])
 def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step(dense_kv, monkeypatch):
     """A run whose prompt fits the trained context (the tiny model's 4096 positions) and whose
@@ -243,16 +259,11 @@ def test_fused_layers_clamp_distances_past_the_trained_context_as_the_torch_step
     prompt = torch.randint(0, 97, (4088,), generator=g).tolist()
     forced = torch.randint(0, 97, (24,), generator=g).tolist()
     settings = small_settings(dense_until=8192, chunk_size=512, dense_kv=dense_kv)
-    total = len(prompt) + len(forced) + 1
-    outs, whole = [], []
-    one_call = fused_step.decoder_layers
-    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
-    for m in (float_model, model):
-        prepare_model("ice", m, settings, total)
-        cache = make_cache("ice", m, settings, total, prompt_tokens=len(prompt))
+    outs, caches, whole = _torch_and_fused("ice", float_model, model, settings, prompt, forced, monkeypatch,
+                                           prompt_tokens=len(prompt))
+    want = (torch.float32, torch.float32) if dense_kv == "model" else (torch.float16, torch.bfloat16)
+    for cache in caches:
         assert cache.all_dense and cache.clamped
-        outs.append(forced_logits(m, cache, prompt, forced, FastStep(m)))
-        want = (torch.float32, torch.float32) if dense_kv == "model" else (torch.float16, torch.bfloat16)
         assert all((layer._k.dtype, layer._v.dtype) == want for layer in cache.layers)
     assert FusedLayers.of(float_model) is None and FusedLayers.of(model) is not None
     # the steps within the trained context in one call, the clamped ones a call a layer
@@ -274,14 +285,8 @@ def test_float_rings_and_16_bit_layers_decode_in_one_call_as_the_torch_step(monk
     prompt = torch.randint(0, 97, (90,), generator=g).tolist()
     forced = torch.randint(0, 97, (32,), generator=g).tolist()
     settings = small_settings(dense_until=1024, dense_kv="bfloat16")
-    total = len(prompt) + len(forced) + 1
-    outs, whole = [], []
-    one_call = fused_step.decoder_layers
-    monkeypatch.setattr(fused_step, "decoder_layers", lambda *a: whole.append(1) or one_call(*a))
-    for m in (float_model, model):
-        prepare_model("dense", m, settings, total)
-        cache = make_cache("dense", m, settings, total)
-        outs.append(forced_logits(m, cache, prompt, forced, FastStep(m)))
+    outs, caches, whole = _torch_and_fused("dense", float_model, model, settings, prompt, forced, monkeypatch)
+    for cache in caches:
         kinds = {type(layer) is WindowLayer: (layer.keys.dtype, layer.values.dtype) for layer in cache.layers}
         assert kinds == {True: (torch.float32, torch.float32), False: (torch.float16, torch.bfloat16)}
     assert len(whole) == len(forced)  # the int4 model's steps, each in one call
