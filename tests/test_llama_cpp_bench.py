@@ -4,6 +4,7 @@ and one test runs the real one where it is installed)."""
 from __future__ import annotations
 
 import json
+import time
 
 import numpy as np
 import pytest
@@ -54,45 +55,86 @@ def test_kv_cache_bytes_are_float16_keys_and_values_of_every_layer(loaded):
 
 
 def test_bench_row_beside_the_icecache_methods(loaded, cpu_settings, monkeypatch):
-    """``run_ctx`` with llama.cpp: its row measured first (the others carry their ratio to it as
-    they come), its own prefill; a skipped row (with the reason) when the package is missing."""
+    """``run_ctx`` with llama.cpp: its own prefill first, then its steps timed in turns with each
+    icecache method's (``TURNS`` blocks), each of our rows carrying its ratio to the llama.cpp
+    steps of its turns as it comes, llama.cpp's row last; a failed or skipped row (with the
+    reason) when it cannot run."""
     from icecache.bench import full_bench
 
-    calls = []
+    calls, events = [], []
 
-    def fake_run(gguf, ids, steps, warmup, threads, on_progress=None):
+    class Logged(FakeLlama):
+        """Logs its evals; slow (3 ms a step) in the dense method's turns."""
+
+        def eval(self, tokens):
+            super().eval(tokens)
+            ours = [e for e in events if e != "llama"]
+            if ours and ours[-1] == "dense":
+                time.sleep(0.003)
+            events.append("llama")
+
+    def fake_open(gguf, ids, steps, warmup, threads, on_progress=None):
         calls.append((gguf, list(ids), steps, warmup, threads))
-        return llama_cpp.time_llama(FakeLlama(), FakeLlama.logits, [i % VOCAB for i in ids], steps, warmup,
-                                    on_progress)
+        return llama_cpp.LlamaSteps(Logged(), FakeLlama.logits, [i % VOCAB for i in ids], warmup, on_progress)
 
-    monkeypatch.setattr(llama_cpp, "run", fake_run)
+    monkeypatch.setattr(llama_cpp, "open_run", fake_open)
     monkeypatch.setattr(llama_cpp, "missing", lambda: None)
     settings = cpu_settings.replace(budget=64)
     seen = []
-    rows = full_bench.run_ctx(loaded, settings, ["full", "llama.cpp"], 300, steps=2, warmup=1,
+    steps, methods = 5, ["full", "dense", "llama.cpp"]
+    rows = full_bench.run_ctx(loaded, settings, methods, 300, steps=steps, warmup=1,
+                              on_step=lambda done, total, times, s: events.append(s.method),
                               on_row=lambda r: seen.append((r.method, r.tpot_ratio_vs_llama_cpp)),
                               gguf=llama_cpp.gguf_of(None))
-    assert [m for m, _ in seen] == ["llama.cpp", "full"] and seen[1][1] > 0
-    assert [r.method for r in rows] == ["full", "llama.cpp"]  # in the order asked for
-    full, lc = rows
+    assert [m for m, _ in seen] == ["full", "dense", "llama.cpp"] and seen[0][1] > 0 and seen[1][1] > 0
+    assert [r.method for r in rows] == methods  # in the order asked for
+    full, dense, lc = rows
     assert lc.status == "ok" and lc.kv_source == "own prefill (llama.cpp)"
-    assert calls[0][0].name.endswith(".gguf") and len(calls[0][1]) == 300 and calls[0][2:4] == (2, 1)
+    # its context holds the prompt, its warm-up and the steps taken beside both methods
+    assert calls[0][0].name.endswith(".gguf") and len(calls[0][1]) == 300 and calls[0][2:4] == (2 * steps, 1)
     assert lc.prefill_tok_s > 0 and lc.tpot_ms > 0 and lc.peak_rss_bytes > 0
-    assert lc.device_kv_bytes == llama_cpp.kv_cache_bytes(loaded.model.config, 300 + 1 + 2 + 1)
-    assert full.tpot_ratio_vs_llama_cpp == pytest.approx(lc.tpot_ms / full.tpot_ms)
+    assert lc.device_kv_bytes == llama_cpp.kv_cache_bytes(loaded.model.config, 300 + 1 + 2 * steps + 1)
+    # the turns: after the prefill (its chunk of 300) and one warm-up step, each method's timed
+    # steps in TURNS blocks (5 steps: 1, 1, 1, 2), llama.cpp as many after each block
+    after_prompt = events[events.index("llama") + 2:]
+    for method in ("full", "dense"):
+        mine = after_prompt[after_prompt.index(method) + 1:]  # (its first, untimed, step before)
+        turns = []
+        for e in mine:
+            if e not in (method, "llama"):
+                break
+            if not turns or turns[-1][0] != e:
+                turns.append([e, 0])
+            turns[-1][1] += 1
+        assert turns == [[method, 1], ["llama", 1]] * 3 + [[method, 2], ["llama", 2]], (method, turns)
+    # each ratio is to the llama.cpp steps timed in the method's turns, not to the row's median
+    assert full.tpot_ms * full.tpot_ratio_vs_llama_cpp < 3.0 <= dense.tpot_ms * dense.tpot_ratio_vs_llama_cpp
     assert lc.tpot_ratio_vs_full == pytest.approx(full.tpot_ms / lc.tpot_ms)
 
     def broken(*_a, **_k):
         raise ValueError("Failed to load model from file: x.gguf\nmore")
 
-    monkeypatch.setattr(llama_cpp, "run", broken)
+    monkeypatch.setattr(llama_cpp, "open_run", broken)
     rows = full_bench.run_ctx(loaded, settings, ["llama.cpp"], 300, steps=1, warmup=1, gguf=llama_cpp.gguf_of(None))
     assert rows[0].status == "failed" and rows[0].reason == "Failed to load model from file: x.gguf"
-    monkeypatch.setattr(llama_cpp, "run", fake_run)
+    monkeypatch.setattr(llama_cpp, "open_run", fake_open)
     monkeypatch.setattr(llama_cpp, "missing", lambda: "no llama-cpp-python here")
     rows = full_bench.run_ctx(loaded, settings, ["llama.cpp"], 300, steps=1, warmup=1, gguf=llama_cpp.gguf_of(None))
     assert rows[0].status == "skipped" and rows[0].reason == "no llama-cpp-python here"
     assert len(calls) == 1
+
+
+def test_llama_cpp_alone_times_its_own_steps(loaded, cpu_settings, monkeypatch):
+    """With no icecache method beside it, llama.cpp takes its steps in one go."""
+    from icecache.bench import full_bench
+
+    llm = FakeLlama()
+    monkeypatch.setattr(llama_cpp, "open_run", lambda gguf, ids, steps, warmup, threads, on_progress=None:
+                        llama_cpp.LlamaSteps(llm, FakeLlama.logits, [i % VOCAB for i in ids], warmup))
+    monkeypatch.setattr(llama_cpp, "missing", lambda: None)
+    rows = full_bench.run_ctx(loaded, cpu_settings, ["llama.cpp"], 300, steps=3, warmup=1, gguf=llama_cpp.gguf_of(None))
+    assert rows[0].status == "ok" and rows[0].tpot_ms > 0 and rows[0].tt2t_s > 0
+    assert len(llm.fed) == 1 + 1 + 3  # the prompt (one chunk), the warm-up step, the timed steps
 
 
 def _shadow(tmp_path, body: str) -> dict:
@@ -131,7 +173,12 @@ def test_real_llama_cpp_reads_the_same_tokens(loaded, cpu_settings):
     from icecache.generation import Session
 
     ids = context_ids(loaded.tokenizer, 200)
-    t = llama_cpp.run(llama_cpp.gguf_of(None), ids, steps=6, warmup=0, threads=torch.get_num_threads())
+    held = llama_cpp.open_run(llama_cpp.gguf_of(None), ids, steps=6, warmup=0, threads=torch.get_num_threads())
+    try:
+        held.advance(6)
+    finally:
+        llama_cpp.close(held.llm)
+    t = held.timing()
     session = Session(loaded, cpu_settings, "full")
     with torch.inference_mode():
         logits, _ = session.prefill(ids)

@@ -161,12 +161,20 @@ def interleaved(timers: list[DecodeTimer], steps: int, rounds: int) -> list[Deco
 
 
 def time_decode(session, logits, prefill_s: float, steps: int = 16,
-                warmup: int = 2, on_step=None) -> DecodeResult:
+                warmup: int = 2, on_step=None, between=None, turns: int = 1) -> DecodeResult:
     """Time ``steps`` greedy decode steps of a session whose cache holds the prompt, after
     ``warmup`` untimed ones (the first of which builds the index when the cache is not built
-    yet: it counts in the time to the second token, ``prefill_s`` + that step)."""
+    yet: it counts in the time to the second token, ``prefill_s`` + that step). With
+    ``between``, the steps are taken in ``turns`` blocks of about equal size, and
+    ``between(n)`` runs after each block of ``n`` (another method's steps, timed in turns with
+    these)."""
     timer = DecodeTimer(session, logits, prefill_s, warmup, on_step, planned=steps)
-    timer.advance(steps)
+    blocks = max(1, min(turns, steps)) if between is not None else 1
+    for b in range(blocks):
+        n = steps * (b + 1) // blocks - steps * b // blocks
+        timer.advance(n)
+        if between is not None:
+            between(n)
     return timer.result()
 
 

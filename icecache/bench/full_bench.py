@@ -26,6 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from ..generation import Prefilled, Session, prefill_once
@@ -74,9 +75,11 @@ def release_current_cache() -> None:
 
 
 def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: int, warmup: int,
-             max_seconds: float | None, on_step=None, resident_peak: int = 0) -> BenchRow:
+             max_seconds: float | None, on_step=None, resident_peak: int = 0, llama=None) -> BenchRow:
     """Decode timing into ``row``; a first step over ``max_seconds`` stops the method there.
-    ``resident_peak``: the most KV the session held during its prefill, if known (CPU)."""
+    ``resident_peak``: the most KV the session held during its prefill, if known (CPU).
+    ``llama``: llama.cpp's run held open (:class:`_LlamaTurns`): its steps are taken in turns
+    with this method's, and the row's ratio to llama.cpp is to those steps."""
     cuda = torch.cuda.is_available() and session.loaded.model.device.type == "cuda"
     if cuda:
         torch.cuda.reset_peak_memory_stats()
@@ -93,7 +96,10 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
                     return row
                 prefill_s += probe
                 warmup = max(0, warmup - 1)
-            r = time_decode(session, logits, prefill_s, steps, warmup, on_step=on_step)
+            at = None if llama is None else llama.mark()
+            between = None if llama is None else llama.take
+            r = time_decode(session, logits, prefill_s, steps, warmup, on_step=on_step, between=between,
+                            turns=TURNS)
     except (MemoryError, torch.OutOfMemoryError) as exc:
         row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
         return row
@@ -105,15 +111,21 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     row.breakdown_ms, row.peak_rss_bytes = r.breakdown_ms, peak.peak
     row.positions = session.positions
     row.all_dense, row.clamped = session.all_dense, session.clamped
+    if llama is not None:
+        llama_ms = llama.tpot_ms(at)
+        if llama_ms is not None:
+            row.tpot_ratio_vs_llama_cpp = llama_ms / row.tpot_ms
     return row
 
 
 def _ratios(row: BenchRow, rows: list[BenchRow]) -> BenchRow:
-    """``row``'s TPOT ratios to full's, dense's and llama.cpp's rows measured so far."""
+    """``row``'s TPOT ratios to full's, dense's and llama.cpp's rows measured so far (a ratio to
+    llama.cpp that :func:`_measure` took from the steps timed in turns with the row's stays)."""
     for base, field_name in (("full", "full"), ("dense", "dense"), (llama_cpp.NAME, "llama_cpp")):
-        ref = next((r for r in rows if r.method == base and r.status == "ok"), None)
-        if row.status == "ok" and ref is not None:
-            setattr(row, f"tpot_ratio_vs_{field_name}", ref.tpot_ms / row.tpot_ms)
+        ref = next((r for r in rows if r.method == base and r.status == "ok" and r.tpot_ms), None)
+        name = f"tpot_ratio_vs_{field_name}"
+        if row.status == "ok" and ref is not None and (base != llama_cpp.NAME or getattr(row, name) is None):
+            setattr(row, name, ref.tpot_ms / row.tpot_ms)
     return row
 
 
@@ -140,8 +152,12 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             log=lambda _m: None, on_progress=None, on_step=None, on_row=None,
             gguf: Path | None = None) -> list[BenchRow]:
     """The rows of ``methods`` at ``ctx`` tokens. ``llama.cpp`` among them (:mod:`.llama_cpp`)
-    runs the GGUF file ``gguf`` over the same token ids first, so that each icecache row carries
-    its ratio to llama.cpp as soon as it is measured."""
+    prefills the GGUF file ``gguf`` with the same token ids first and stays open: its decode
+    steps are then timed in turns with each icecache method's (:data:`TURNS` blocks each), so
+    that each icecache row carries, as soon as it is measured, its ratio to llama.cpp's steps of
+    the same minutes (this machine's speed drifts from one minute to the next, by up to 2x at
+    1k tokens: two rows timed a minute apart compared the drift as much as the methods).
+    llama.cpp's row, over all its steps, comes last."""
     ours = [m for m in methods if m != llama_cpp.NAME]
     ensure_warm(loaded, settings, ours, sparse=ctx > full_prefill_max)
     ids = context_ids(loaded.tokenizer, ctx)
@@ -151,52 +167,105 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
         if on_row is not None:
             on_row(_ratios(row, rows))
 
+    llama = None
     if llama_cpp.NAME in methods:
-        rows.append(_run_llama(loaded, settings, ids, steps, warmup, gguf, log, on_progress))
-        emit(rows[-1])
-    if ours:
-        _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
-                  log, on_progress, on_step, rows, emit)
+        row, held = _open_llama(loaded, settings, ids, steps * max(1, len(ours)), warmup, gguf, log, on_progress)
+        rows.append(row)
+        if held is None:
+            emit(row)
+        else:
+            llama = _LlamaTurns(row, held, log)
+    try:
+        if ours:
+            _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
+                      log, on_progress, on_step, rows, emit, llama)
+        if llama is not None:
+            if not llama.held.times:  # no method of ours timed beside it (or none asked for)
+                llama.take(steps)
+            llama.finish()
+            emit(llama.row)
+    finally:
+        if llama is not None:
+            llama_cpp.close(llama.held.llm)
     for r in rows:
         _ratios(r, rows)
     order = {m: i for i, m in enumerate(methods)}
     return sorted(rows, key=lambda r: order[r.method])
 
 
-def _run_llama(loaded, settings, ids: list[int], steps: int, warmup: int, gguf: Path | None,
-               log, on_progress) -> BenchRow:
-    """The llama.cpp row: its own prefill of ``ids`` and its greedy decode steps."""
+TURNS = 4  # blocks a method's timed steps are cut into, llama.cpp's taken between them
+
+
+def _open_llama(loaded, settings, ids: list[int], steps: int, warmup: int, gguf: Path | None,
+                log, on_progress) -> tuple[BenchRow, llama_cpp.LlamaSteps | None]:
+    """The llama.cpp row and its run held open (its own prefill of ``ids`` and its warm-up steps
+    done; room for ``steps`` timed steps), or the row skipped or failed and None."""
     ctx = len(ids)
     row = BenchRow(llama_cpp.NAME, ctx, kv_source="own prefill (llama.cpp)")
     why = llama_cpp.missing() or (None if gguf is not None else "llama.cpp reads GGUF files only")
-    n_ctx = ctx + warmup + steps + 1
-    need = llama_cpp.kv_cache_bytes(loaded.model.config, n_ctx)
+    need = llama_cpp.kv_cache_bytes(loaded.model.config, ctx + warmup + steps + 1)
     short = why or shortfall(Need(device=0, host=need), available_bytes(settings))
     if short is not None:
         row.status, row.reason = "skipped", short
         log(f"llama.cpp at {ctx} tokens: skipped, {short}")
-        return row
-    log(f"llama.cpp at {ctx} tokens: prefill and decoding ...")
+        return row, None
+    log(f"llama.cpp at {ctx} tokens: prefill ...")
     progress = (lambda d, t: on_progress("prefill", d, t)) if on_progress else None
     try:
         with PeakRss() as peak:
-            t = llama_cpp.run(gguf, ids, steps, warmup, torch.get_num_threads(), progress)
+            held = llama_cpp.open_run(gguf, ids, steps, warmup, torch.get_num_threads(), progress)
     except (RuntimeError, ValueError, OSError, MemoryError) as exc:  # llama.cpp could not run it
-        row.status, row.reason = "failed", (str(exc).splitlines() or [type(exc).__name__])[0][:200]
-        log(f"llama.cpp at {ctx} tokens: failed, {row.reason}")
-        return row
-    row.prefill_tok_s = ctx / t.prefill_s
-    row.tt2t_s, row.tpot_ms, row.tpot_p90_ms = t.tt2t_s, t.tpot_ms, t.tpot_p90_ms
+        _failed(row, exc, log)
+        return row, None
+    row.prefill_tok_s = ctx / held.prefill_s
     row.device_kv_bytes = row.peak_device_bytes = need
     row.peak_rss_bytes = peak.peak
-    return row
+    return row, held
+
+
+def _failed(row: BenchRow, exc: BaseException, log) -> None:
+    row.status, row.reason = "failed", (str(exc).splitlines() or [type(exc).__name__])[0][:200]
+    log(f"llama.cpp at {row.ctx} tokens: failed, {row.reason}")
+
+
+class _LlamaTurns:
+    """llama.cpp's run held open while the icecache methods decode: :meth:`take` times its next
+    steps (between a method's blocks), :meth:`finish` writes its row."""
+
+    def __init__(self, row: BenchRow, held: llama_cpp.LlamaSteps, log):
+        self.row, self.held, self.log = row, held, log
+
+    def mark(self) -> int:
+        return len(self.held.times)
+
+    def take(self, steps: int) -> None:
+        if self.row.status != "ok":
+            return
+        try:
+            with PeakRss() as peak:
+                self.held.advance(steps)
+        except (RuntimeError, ValueError, OSError, MemoryError) as exc:
+            _failed(self.row, exc, self.log)
+        self.row.peak_rss_bytes = max(self.row.peak_rss_bytes or 0, peak.peak)
+
+    def tpot_ms(self, since: int) -> float | None:
+        """The median of the steps timed from step ``since`` on (None: none, or it failed)."""
+        times = self.held.times[since:]
+        return 1000 * float(np.median(times)) if times and self.row.status == "ok" else None
+
+    def finish(self) -> None:
+        if self.row.status != "ok":
+            return
+        t = self.held.timing()
+        self.row.tt2t_s, self.row.tpot_ms, self.row.tpot_p90_ms = t.tt2t_s, t.tpot_ms, t.tpot_p90_ms
 
 
 def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, warmup: int,
               full_prefill_max: int, max_seconds: float | None, log, on_progress, on_step,
-              rows: list[BenchRow], emit) -> None:
+              rows: list[BenchRow], emit, llama=None) -> None:
     """The icecache methods' rows (see the module's docstring), appended to ``rows`` and each
-    given to ``emit`` as soon as it is measured."""
+    given to ``emit`` as soon as it is measured; ``llama``: llama.cpp's run, timed in turns with
+    each (:func:`_measure`)."""
     ctx = len(ids)
     shared_need = _shared_prefill_skip(loaded, settings, ctx, ctx <= full_prefill_max)
     if shared_need is not None:  # the prefill every method starts from cannot fit
@@ -227,7 +296,7 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
                            prefill_tok_s=len(ids) / stats.prefill_seconds)
             log(f"ice at {ctx} tokens: decoding ...")
             rows.append(_measure(row, session, logits, stats.prefill_seconds, steps, warmup, max_seconds,
-                                 on_step, resident_peak=chunk_resident))
+                                 on_step, resident_peak=chunk_resident, llama=llama))
             rows[-1].peak_rss_bytes = max(rows[-1].peak_rss_bytes or 0, peak.peak)
             emit(rows[-1])
         todo = [m for m in methods if m != "ice"]
@@ -257,7 +326,8 @@ def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, 
             rows.append(row)
             emit(row)
             continue
-        rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds, on_step))
+        rows.append(_measure(row, session, pre.logits, pre.seconds, steps, warmup, max_seconds, on_step,
+                             llama=llama))
         emit(rows[-1])
         del session
         release_current_cache()

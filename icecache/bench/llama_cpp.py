@@ -3,8 +3,9 @@ the same prompt tokens through llama-cpp-python, timed in the same run as the ic
 
 llama-cpp-python is not a dependency. Where it is installed, the row runs llama.cpp's own
 prefill of the context's token ids (the GGUF's vocabulary, which the converted model shares),
-then greedy decode steps one token at a time with the same warm-up and the same count of timed
-steps as the other methods, with as many threads as torch uses. Reported: the time to the second
+then greedy decode steps one token at a time with the same warm-up and, for each other method,
+as many timed steps as it takes, in turns with its steps (``icecache.bench.full_bench``), with
+as many threads as torch uses. Reported: the time to the second
 token (prefill + first step), prefill tokens/s, TPOT (median and p90), peak RSS, and llama.cpp's
 KV cache size for its context (float16 keys and values in every layer: its default cache type).
 """
@@ -104,29 +105,53 @@ class Timing:
         return 1000 * float(np.percentile(self.times, 90))
 
 
-def time_llama(llm, logits_of, ids: list[int], steps: int, warmup: int, on_progress=None) -> Timing:
-    """Prefill ``ids`` into ``llm`` (``eval`` in chunks of :data:`CHUNK`), then ``warmup`` untimed
-    and ``steps`` timed greedy steps; ``logits_of(llm)`` -> the last evaluated token's logits.
-    The time to the second token is the prefill plus the first step."""
-    t0 = time.perf_counter()
-    for at in range(0, len(ids), CHUNK):
-        llm.eval(ids[at : at + CHUNK])
-        if on_progress is not None:
-            on_progress(min(at + CHUNK, len(ids)), len(ids))
-    prefill_s = time.perf_counter() - t0
-    token = int(np.argmax(logits_of(llm)))
-    times, fed, tt2t = [], [], float("nan")
-    for i in range(warmup + steps):
-        fed.append(token)
+class LlamaSteps:
+    """A llama.cpp run held open: the prompt ``ids`` prefilled into ``llm`` (``eval`` in chunks of
+    :data:`CHUNK`) and ``warmup`` untimed greedy steps taken; :meth:`advance` times more steps,
+    so that the bench can take them in turns with another method's (the two then see the same
+    minutes of a machine whose speed drifts). ``logits_of(llm)`` -> the last evaluated token's
+    logits. The time to the second token is the prefill plus the first step."""
+
+    def __init__(self, llm, logits_of, ids: list[int], warmup: int, on_progress=None):
+        self.llm, self.logits_of = llm, logits_of
+        t0 = time.perf_counter()
+        for at in range(0, len(ids), CHUNK):
+            llm.eval(ids[at : at + CHUNK])
+            if on_progress is not None:
+                on_progress(min(at + CHUNK, len(ids)), len(ids))
+        self.prefill_s = time.perf_counter() - t0
+        self.token = int(np.argmax(logits_of(llm)))
+        self.times: list[float] = []
+        self.fed: list[int] = []
+        self.tt2t = float("nan")
+        for _ in range(warmup):
+            self._step()
+
+    def _step(self) -> float:
+        self.fed.append(self.token)
         t = time.perf_counter()
-        llm.eval([token])
-        token = int(np.argmax(logits_of(llm)))
+        self.llm.eval([self.token])
+        self.token = int(np.argmax(self.logits_of(self.llm)))
         dt = time.perf_counter() - t
-        if i == 0:
-            tt2t = prefill_s + dt
-        if i >= warmup:
-            times.append(dt)
-    return Timing(prefill_s, tt2t, times, fed)
+        if len(self.fed) == 1:
+            self.tt2t = self.prefill_s + dt
+        return dt
+
+    def advance(self, steps: int) -> None:
+        """``steps`` more timed greedy steps."""
+        for _ in range(steps):
+            self.times.append(self._step())
+
+    def timing(self) -> Timing:
+        return Timing(self.prefill_s, self.tt2t, list(self.times), list(self.fed))
+
+
+def time_llama(llm, logits_of, ids: list[int], steps: int, warmup: int, on_progress=None) -> Timing:
+    """Prefill ``ids`` into ``llm``, then ``warmup`` untimed and ``steps`` timed greedy steps
+    (:class:`LlamaSteps` in one go)."""
+    run = LlamaSteps(llm, logits_of, ids, warmup, on_progress)
+    run.advance(steps)
+    return run.timing()
 
 
 def last_logits(llm) -> np.ndarray:
@@ -138,15 +163,21 @@ def last_logits(llm) -> np.ndarray:
     return np.ctypeslib.as_array(ptr, shape=(llm.n_vocab(),))
 
 
-def run(gguf: Path, ids: list[int], steps: int, warmup: int, threads: int, on_progress=None) -> Timing:
-    """One llama.cpp run of the GGUF file over ``ids`` (see :func:`time_llama`); its context holds
-    the prompt and every decode step."""
+def open_run(gguf: Path, ids: list[int], steps: int, warmup: int, threads: int, on_progress=None) -> LlamaSteps:
+    """A llama.cpp run of the GGUF file over ``ids`` held open (:class:`LlamaSteps`), its context
+    room for the prompt and ``warmup + steps`` decode steps; :func:`close` frees it."""
     import llama_cpp
 
     llm = llama_cpp.Llama(model_path=str(gguf), n_ctx=len(ids) + warmup + steps + 1, n_threads=threads,
                           n_threads_batch=threads, logits_all=False, verbose=False)
     try:
-        return time_llama(llm, last_logits, ids, steps, warmup, on_progress)
-    finally:
-        if hasattr(llm, "close"):  # frees its context and KV cache now, not at garbage collection
-            llm.close()
+        return LlamaSteps(llm, last_logits, ids, warmup, on_progress)
+    except BaseException:
+        close(llm)
+        raise
+
+
+def close(llm) -> None:
+    """Free a llama.cpp context and its KV cache now, not at garbage collection."""
+    if hasattr(llm, "close"):
+        llm.close()
