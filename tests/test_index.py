@@ -423,16 +423,44 @@ def test_select_layer_equals_per_tree_selection(monkeypatch):
         assert [g.tolist() for g in got_pages] == [w.tolist() for w in want] == [p.tolist() for p, _ in picked]
         assert [g.tolist() for g in got_tokens] == [k.tolist() for _, k in picked]
         assert all(len(k) == pages * 5 for k in got_tokens)
-    walk_mod._scratch.arrays = {}  # small scratch: the parallel walks overflow and are redone
+    # small scratch (the kept walks forgotten, so that their scratch is taken anew): the
+    # parallel walks overflow and are redone alone
+    walk_mod._scratch.arrays = {}
+    walk_mod._walks.clear()
     monkeypatch.setattr(walk_mod, "WALK_ROWS", 4)
     monkeypatch.setattr(walk_mod, "WALK_ROWS_PER_BEAM", 1)
+    alone, redone = walk_mod._alone, []
+    monkeypatch.setattr(walk_mod, "_alone", lambda tree, *a: redone.append(tree) or alone(tree, *a))
     got = walk_mod.select_layer(trees, queries, 48, 6)
     want = [t.select_group(queries[h], 48, 6) for h, t in enumerate(trees)]
-    assert [g.tolist() for g in got] == [w.tolist() for w in want]
+    assert [g.tolist() for g in got] == [w.tolist() for w in want] and redone
+    redone.clear()
     pages, tokens = walk_mod.pick_layer(trees, queries, 40, 6)  # and the token picks, redone alone
     want = [t.pick_group(queries[h], 40, 6) for h, t in enumerate(trees)]
     assert [(p.tolist(), k.tolist()) for p, k in zip(pages, tokens, strict=True)] == [
-        (p.tolist(), k.tolist()) for p, k in want]
+        (p.tolist(), k.tolist()) for p, k in want] and redone
+
+
+def test_a_layer_walk_marks_the_current_mark_arrays():
+    """A layer's walk keeps its scratch from call to call, but not past a replaced array: when
+    another walk grows a head's node marks, the next call stamps the new array (the token
+    packing reads this thread's current marks after the walk, ``DCISelector.choose``)."""
+    from icecache.index import walk as walk_mod
+
+    trees = []
+    for h in range(2):
+        t = DCITree(16, IndexConfig(page_size=8, beam=5, beam_frac=0.0))
+        t.insert(clustered(1500, seed=40 + h))
+        trees.append(t)
+    queries = np.stack([clustered(3, seed=50 + h) for h in range(2)])
+    walk_mod.select_layer(trees, queries, 32, 4)  # its scratch kept
+    for h in range(2):
+        before = walk_mod.marks(trees[h].n, h)
+        grown = walk_mod.marks(before.shape[0] + 10, h)  # a larger tree's walk needs more
+        assert grown is not before
+        stamp = grown[0]
+        walk_mod.select_layer(trees, queries, 32, 4)
+        assert grown[0] > stamp and walk_mod.marks(trees[h].n, h) is grown
 
 
 def test_balanced_groups_recover_separated_blobs_within_capacity():
