@@ -33,8 +33,9 @@ def test_the_prompt_goes_in_chunks_then_greedy_steps_are_timed():
     llm = FakeLlama()
     ids = [i % VOCAB for i in range(2 * llama_cpp.CHUNK + 5)]
     seen = []
-    t = llama_cpp.time_llama(llm, FakeLlama.logits, ids, steps=4, warmup=2,
-                             on_progress=lambda d, n: seen.append((d, n)))
+    run = llama_cpp.LlamaSteps(llm, FakeLlama.logits, ids, warmup=2, on_progress=lambda d, n: seen.append((d, n)))
+    run.advance(4)
+    t = run.timing()
     C = llama_cpp.CHUNK
     assert llm.fed[:3] == [ids[:C], ids[C : 2 * C], ids[2 * C :]]
     assert seen == [(C, len(ids)), (2 * C, len(ids)), (len(ids), len(ids))]

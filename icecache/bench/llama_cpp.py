@@ -5,9 +5,9 @@ llama-cpp-python is not a dependency. Where it is installed, the row runs llama.
 prefill of the context's token ids (the GGUF's vocabulary, which the converted model shares),
 then greedy decode steps one token at a time with the same warm-up and, for each other method,
 as many timed steps as it takes, in turns with its steps (``icecache.bench.full_bench``), with
-as many threads as torch uses. Reported: the time to the second
-token (prefill + first step), prefill tokens/s, TPOT (median and p90), peak RSS, and llama.cpp's
-KV cache size for its context (float16 keys and values in every layer: its default cache type).
+as many threads as torch uses. Reported: the time to the second token (prefill + first step),
+prefill tokens/s, TPOT (median and p90), peak RSS, and llama.cpp's KV cache size for its context
+(float16 keys and values in every layer: its default cache type).
 """
 
 from __future__ import annotations
@@ -144,14 +144,6 @@ class LlamaSteps:
 
     def timing(self) -> Timing:
         return Timing(self.prefill_s, self.tt2t, list(self.times), list(self.fed))
-
-
-def time_llama(llm, logits_of, ids: list[int], steps: int, warmup: int, on_progress=None) -> Timing:
-    """Prefill ``ids`` into ``llm``, then ``warmup`` untimed and ``steps`` timed greedy steps
-    (:class:`LlamaSteps` in one go)."""
-    run = LlamaSteps(llm, logits_of, ids, warmup, on_progress)
-    run.advance(steps)
-    return run.timing()
 
 
 def last_logits(llm) -> np.ndarray:
