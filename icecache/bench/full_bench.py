@@ -96,8 +96,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
                     return row
                 prefill_s += probe
                 warmup = max(0, warmup - 1)
-            at = None if llama is None else llama.mark()
-            between = None if llama is None else llama.take
+            at, between = (None, None) if llama is None else (llama.mark(), llama.take)
             r = time_decode(session, logits, prefill_s, steps, warmup, on_step=on_step, between=between,
                             turns=TURNS)
     except (MemoryError, torch.OutOfMemoryError) as exc:
@@ -180,7 +179,7 @@ def run_ctx(loaded, settings, methods: list[str], ctx: int, steps: int = 16, war
             _run_ours(loaded, settings, ours, ids, steps, warmup, full_prefill_max, max_seconds,
                       log, on_progress, on_step, rows, emit, llama)
         if llama is not None:
-            if not llama.held.times:  # no method of ours timed beside it (or none asked for)
+            if llama.mark() == 0:  # no method of ours timed beside it (or none asked for)
                 llama.take(steps)
             llama.finish()
             emit(llama.row)
@@ -236,6 +235,7 @@ class _LlamaTurns:
         self.row, self.held, self.log = row, held, log
 
     def mark(self) -> int:
+        """Timed steps so far (where a method's turns begin)."""
         return len(self.held.times)
 
     def take(self, steps: int) -> None:
