@@ -37,7 +37,7 @@ def bench_main(
     positions: Annotated[str | None, typer.Option("--positions", help="RoPE positions past the trained context: remap, true or auto; several comma-separated are each measured in this run (own prefill each), e.g. remap,true. Default: the profile's.", show_default=False)] = None,
     opts: BenchOptions = None,
 ) -> None:
-    """End-to-end bench: TT2T, tokens/s, TPOT (median, p90), breakdown and memory per method.
+    """End-to-end bench: TT2T, tokens/s, TPOT (median, p90, mean), breakdown and memory per method.
 
     A method whose memory need (estimated) exceeds what is available gets a skipped row instead
     of running. Each row is printed (stderr; with --json also as a JSON line on stdout) and
@@ -207,7 +207,8 @@ def row_line(r) -> str:
     head = f"{r.method} at {r.ctx} tokens" + (f" ({r.positions} positions{dense})" if r.positions else "") + ": "
     if r.status != "ok":
         return head + r.status + (f" ({r.reason})" if r.reason else "")
-    return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}), TT2T {r.tt2t_s:.1f} s, "
+    mean = f", mean {r.tpot_mean_ms:.1f}" if r.tpot_mean_ms is not None else ""
+    return (head + f"TPOT {r.tpot_ms:.1f} ms (p90 {r.tpot_p90_ms:.1f}{mean}), TT2T {r.tt2t_s:.1f} s, "
             f"resident KV {(r.device_kv_bytes or 0) / 2**20:.0f} MiB, host {(r.host_kv_bytes or 0) / 2**20:.0f} MiB, "
             f"peak RSS {(r.peak_rss_bytes or 0) / 2**30:.2f} GiB"
             + (f", device memory at its decode peak {r.peak_device_bytes / 2**30:.2f} GiB (weights included)"

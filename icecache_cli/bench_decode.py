@@ -72,7 +72,7 @@ def decode(
                 results.append(row)
                 if not quiet:
                     stderr.print(
-                        f"{label:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}), "
+                        f"{label:>9} ctx {r.ctx:>6}: {r.tpot_ms:7.1f} ms/token (p90 {r.tpot_p90_ms:.1f}, mean {r.tpot_mean_ms:.1f}), "
                         f"speed-up {base.tpot_ms / r.tpot_ms:.2f}x vs {base.method}; TT2T {r.tt2t_s:.1f} s; "
                         f"device KV {r.device_kv_bytes / 2**20:.1f} MiB "
                         f"({100 * r.device_kv_bytes / max(1, base.device_kv_bytes):.1f}% of {base.method}; layers "

@@ -228,6 +228,7 @@ def final_stats(result: TaskResult, cache, settings, session=None, weights: str 
         "new_tokens": result.tokens_out,
         "tpot_ms": round(steps[len(steps) // 2], 2) if steps else None,
         "tpot_p90_ms": round(steps[min(len(steps) - 1, int(0.9 * len(steps)))], 2) if steps else None,
+        "tpot_mean_ms": round(sum(steps) / len(steps), 2) if steps else None,
         "seconds": round(result.seconds, 3),
         **(result.memory or {}),
     }

@@ -87,6 +87,7 @@ def test_bench_command_both_kv_routes(tmp_path, quick_profile):
         (m, n) for n in (300, 700) for m in ("full", "dense", "ice")]
     for x in rows:
         assert x["status"] == "ok" and x["tpot_ms"] > 0 and x["tt2t_s"] > 0 and x["peak_rss_bytes"] > 0
+        assert x["tpot_mean_ms"] == pytest.approx(x["tpot_ms"])  # (of two steps the median is the mean)
         assert x["tpot_ratio_vs_full"] > 0 and x["tpot_ratio_vs_dense"] > 0
         assert x["peak_device_bytes"] >= x["device_kv_bytes"] > 0
     assert {x["kv_source"] for x in rows if x["ctx"] == 300} == {"full prefill (shared)"}
@@ -304,3 +305,6 @@ def test_breakdown_is_of_the_median_step_not_of_a_spike(loaded, cpu_settings):
     for name in ("index_query", "page_loading", "ice_attention", "rest_of_model"):
         assert b[name] == pytest.approx(before[name], abs=1000 * max(t.times[:6]))
     assert sum(b.values()) == pytest.approx(r.tpot_ms, rel=0.5)
+    # the mean step counts the spike, as a long generation does; the median does not
+    assert r.tpot_mean_ms == pytest.approx(1000 * sum(t.times) / 7)
+    assert r.tpot_mean_ms > 1000 / 7 > 2 * r.tpot_ms

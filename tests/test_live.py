@@ -125,7 +125,7 @@ def test_real_terminal_run_shows_the_panel_and_streams_the_same_text(tmp_path):
     assert "icecache summarize (ice)" in plain and "per token" in plain and "resident KV" in plain
     assert "phase" in plain and "done" in plain
     stats = [line for line in plain.splitlines() if line.startswith("stats: ")]
-    assert len(stats) == 1 and "tpot_ms=" in stats[0] and "peak_rss_bytes=" in stats[0]
+    assert len(stats) == 1 and "tpot_ms=" in stats[0] and "tpot_mean_ms=" in stats[0] and "peak_rss_bytes=" in stats[0]
     # Off a terminal the same command prints the whole text at the end: the streamed copy matches.
     ref = run_cli(args + ["--stats", "--json"], stdin=None)
     assert ref.returncode == 0, ref.stderr.decode()[-2000:]

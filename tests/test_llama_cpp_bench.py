@@ -48,6 +48,7 @@ def test_the_prompt_goes_in_chunks_then_greedy_steps_are_timed():
     assert len(t.times) == 4 and all(x > 0 for x in t.times)
     assert t.tt2t_s > t.prefill_s > 0
     assert t.tpot_p90_ms >= t.tpot_ms > 0
+    assert t.tpot_mean_ms == pytest.approx(1000 * sum(t.times) / 4)
 
 
 def test_kv_cache_bytes_are_float16_keys_and_values_of_every_layer(loaded):

@@ -6,7 +6,7 @@ prefill of the context's token ids (the GGUF's vocabulary, which the converted m
 then greedy decode steps one token at a time with the same warm-up and, for each other method,
 as many timed steps as it takes, in turns with its steps (``icecache.bench.full_bench``), with
 as many threads as torch uses. Reported: the time to the second token (prefill + first step),
-prefill tokens/s, TPOT (median and p90), peak RSS, and llama.cpp's KV cache size for its context
+prefill tokens/s, TPOT (median, p90 and mean), peak RSS, and llama.cpp's KV cache size for its context
 (float16 keys and values in every layer: its default cache type).
 """
 
@@ -103,6 +103,10 @@ class Timing:
     @property
     def tpot_p90_ms(self) -> float:
         return 1000 * float(np.percentile(self.times, 90))
+
+    @property
+    def tpot_mean_ms(self) -> float:
+        return 1000 * float(np.mean(self.times))
 
 
 class LlamaSteps:
