@@ -57,6 +57,14 @@ def test_rerotation_equals_rope_at_the_new_position(rope):
     # one position for all rows
     torch.testing.assert_close(frame.rotate(model_rope(model, x, src), src, 77),
                                model_rope(model, x, torch.full((6,), 77)), atol=2e-4, rtol=1e-4)
+    # a run of positions to one (an evicted page to the position-free frame): the general
+    # rotation's values to the bit, the second call from the rotation kept by the first
+    run = torch.arange(5000, 5006)
+    at_run = model_rope(model, x, run)
+    for _ in range(2):
+        assert torch.equal(frame.rotate_run(at_run, 5000, 0), frame.rotate(at_run, run, 0))
+    torch.testing.assert_close(frame.rotate_run(at_run, 5000, 0), model_rope(model, x, torch.zeros(6, dtype=torch.long)),
+                               atol=2e-4, rtol=1e-4)
 
 
 def test_dynamic_rope_is_not_remapped():

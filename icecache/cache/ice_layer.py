@@ -207,7 +207,7 @@ class IceLayer(DecodeStep, CacheLayerMixin):
         when positions are remapped, else as they are."""
         if self.remap is None or not keys.shape[1]:  # none: a prompt within sink + window
             return keys
-        return self.remap.frame.rotate(keys, torch.arange(first, first + keys.shape[1]), 0)
+        return self.remap.frame.rotate_run(keys, first, 0)
 
     @property
     def estimates(self) -> bool:

@@ -110,6 +110,18 @@ class RopeFrame:
             cos, sin = self.rotation(src, dst, x.device)
         return self.rotate_by(x, cos, sin)
 
+    def rotate_run(self, x: torch.Tensor, first: int, dst: int) -> torch.Tensor:
+        """:meth:`rotate` of ``x`` (..., n, head_dim) from positions ``first`` to ``first + n - 1``
+        (row by row) to ``dst``, the rotation made once for the calls that ask the same (a decode
+        step's evicted page: the same positions in every layer, whose 28 rotations of the same
+        angles took some 300 us a layer of the step that sheds it)."""
+        cos, sin = self._run_rotation(first, x.shape[-2], dst, str(x.device))
+        return self.rotate_by(x, cos, sin)
+
+    @functools.lru_cache(maxsize=4)  # noqa: B019  (the layers of one decode step share it)
+    def _run_rotation(self, first: int, n: int, dst: int, device: str) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.rotation(torch.arange(first, first + n), dst, device)
+
     def _turn(self, x: np.ndarray, src: int, dst: int) -> np.ndarray:
         """:meth:`rotate` of float32 rows ``x`` (..., head_dim) in NumPy (a copy)."""
         cos, sin = self._one_arrays(src, dst)
