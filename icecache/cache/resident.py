@@ -198,21 +198,33 @@ class ResidentKV:
 
     def _load_one_call(self, selected, page_table, store: HostStore, pinned, main: int, kind: int):
         """:meth:`load` by one numba call (plans, widening copies, pinned rows masked)."""
-        H, S = self.heads, self.page_size
-        lens = np.array([len(w) for w in selected], np.int64)
-        want = np.zeros((H, max(1, int(lens.max(initial=0)))), np.int64)
-        for h, w in enumerate(selected):
-            want[h, : len(w)] = w
-        tables = [page_table(h) for h in range(H)]
+        S = self.page_size
+        want, lens = self._wanted(selected, main)
+        members, counts, versions = zip(*[page_table(h) for h in range(self.heads)], strict=True)
         pm, pc, pv = pinned[1]
         host_k, host_v, keys, values = self._bit_views(store)
         src, dst = self._scratch(self.pool_pages * S)
         m, loaded = load_pool(
-            want, lens, self.slot_page, self.slot_version, self.slot_fill, tuple(t[2] for t in tables),
-            tuple(t[0] for t in tables), tuple(t[1] for t in tables), pinned[0], pm, pc, pv,
-            pinned[2].astype(np.int64, copy=False), main, S, self.pool_at, self.valid, self.pool_row,
+            want, lens, self.slot_page, self.slot_version, self.slot_fill, versions, members, counts, pinned[0],
+            pm, pc, pv, pinned[2].astype(np.int64, copy=False), main, S, self.pool_at, self.valid, self.pool_row,
             self.track_rows, host_k, host_v, kind, keys, values, src, dst)
         return loaded, 2 * m * self.head_dim * store.keys.element_size()
+
+    _want: tuple[np.ndarray, np.ndarray] | None = None  # :meth:`_wanted`'s arrays, kept for the next step
+
+    def _wanted(self, selected, main: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``selected`` pages as :func:`~.kernels.load_pool` takes them: (heads, ``main``) page
+        ids, each head's first ``lens[h]``, and ``lens``; the arrays are this pool's, refilled at
+        every call (made anew, with the lengths' array, they were a fifth of the Python a load
+        spends)."""
+        got = self._want
+        if got is None or got[0].shape[1] < main:
+            got = self._want = (np.zeros((self.heads, max(1, main)), np.int64), np.zeros(self.heads, np.int64))
+        want, lens = got
+        for h, w in enumerate(selected):
+            n = lens[h] = len(w)
+            want[h, :n] = w
+        return want, lens
 
     _views: tuple | None = None  # :meth:`_bit_views`' arrays and the store tensors they view
 
