@@ -307,4 +307,4 @@ def test_breakdown_is_of_the_median_step_not_of_a_spike(loaded, cpu_settings):
     assert sum(b.values()) == pytest.approx(r.tpot_ms, rel=0.5)
     # the mean step counts the spike, as a long generation does; the median does not
     assert r.tpot_mean_ms == pytest.approx(1000 * sum(t.times) / 7)
-    assert r.tpot_mean_ms > 1000 / 7 > 2 * r.tpot_ms
+    assert r.tpot_ms <= 1000 * max(t.times[:6]) < r.tpot_mean_ms
