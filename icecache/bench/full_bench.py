@@ -12,8 +12,8 @@ Each context's document is generated text run through the model's real prefill:
 Per method: time to the second token (the prefill + the first decode step, index build
 included), prefill tokens/s, time per output token (median, p90 and mean over the timed steps
 after warm-up: the median leaves out the steps at which every layer sheds a window page into
-its index, the mean does not), the per-token breakdown, resident and host KV bytes, peak RSS (sampled) and the ratio
-of every TPOT to ``full``'s and ``dense``'s at the same context. A method that fails (out of
+its index, the mean does not), the per-token breakdown, resident and host KV bytes, peak RSS
+(sampled) and the ratio of every TPOT to ``full``'s and ``dense``'s at the same context. A method that fails (out of
 memory) or whose decode step is over ``max_seconds`` is reported with its reason, and the bench
 goes on. Before a method starts, its memory need is estimated (:mod:`icecache.memory`) and
 compared with what is available; one that cannot fit gets a ``skipped`` row with the figures
