@@ -67,6 +67,11 @@ class BenchRow:
     def as_dict(self) -> dict:
         return asdict(self)
 
+    def timed(self, t) -> None:
+        """The time to the second token and the step figures (median, p90, mean) of ``t``: our
+        methods' :class:`~.decode_bench.DecodeResult` or llama.cpp's :class:`~.llama_cpp.Timing`."""
+        self.tt2t_s, self.tpot_ms, self.tpot_p90_ms, self.tpot_mean_ms = t.tt2t_s, t.tpot_ms, t.tpot_p90_ms, t.tpot_mean_ms
+
 
 def release_current_cache() -> None:
     """Forget the ice attention's pointer to the last cache used (it would keep a finished
@@ -104,7 +109,7 @@ def _measure(row: BenchRow, session: Session, logits, prefill_s: float, steps: i
     except (MemoryError, torch.OutOfMemoryError) as exc:
         row.status, row.reason = "out of memory", str(exc).splitlines()[0][:200]
         return row
-    row.tt2t_s, row.tpot_ms, row.tpot_p90_ms, row.tpot_mean_ms = r.tt2t_s, r.tpot_ms, r.tpot_p90_ms, r.tpot_mean_ms
+    row.timed(r)
     row.device_kv_bytes, row.host_kv_bytes = r.device_kv_bytes, r.host_kv_bytes
     row.peak_device_bytes = (torch.cuda.max_memory_allocated() if cuda
                              else max(resident_before, resident_peak, r.device_kv_bytes))
@@ -258,9 +263,7 @@ class _LlamaTurns:
     def finish(self) -> None:
         if self.row.status != "ok":
             return
-        t = self.held.timing()
-        self.row.tt2t_s, self.row.tpot_ms, self.row.tpot_p90_ms, self.row.tpot_mean_ms = (
-            t.tt2t_s, t.tpot_ms, t.tpot_p90_ms, t.tpot_mean_ms)
+        self.row.timed(self.held.timing())
 
 
 def _run_ours(loaded, settings, methods: list[str], ids: list[int], steps: int, warmup: int,
