@@ -432,6 +432,10 @@ def _sum_values(v, shift, h, b, lo, hi, scores, part, valid):
                 _four_rows3(v, a, h, b, t, scores, part)
                 t += 4
                 continue
+            if G == 4:
+                _four_rows4(v, a, h, b, t, scores, part)
+                t += 4
+                continue
             for g in range(G):
                 p0, p1 = scores[h, g, t], scores[h, g, t + 1]
                 p2, p3 = scores[h, g, t + 2], scores[h, g, t + 3]
@@ -464,6 +468,23 @@ def _four_rows3(v, a, h, b, t, scores, part):
         part[h, b, 0, j] += (p00 * w0 + p01 * w1) + (p02 * w2 + p03 * w3)
         part[h, b, 1, j] += (p10 * w0 + p11 * w1) + (p12 * w2 + p13 * w3)
         part[h, b, 2, j] += (p20 * w0 + p21 * w1) + (p22 * w2 + p23 * w3)
+
+
+@njit(nogil=True, fastmath=True, cache=True, inline="always")
+def _four_rows4(v, a, h, b, t, scores, part):
+    """:func:`_four_rows3` for a group of four queries (Gemma 3's, Llama 3's)."""
+    d = part.shape[3]
+    p00, p01, p02, p03 = scores[h, 0, t], scores[h, 0, t + 1], scores[h, 0, t + 2], scores[h, 0, t + 3]
+    p10, p11, p12, p13 = scores[h, 1, t], scores[h, 1, t + 1], scores[h, 1, t + 2], scores[h, 1, t + 3]
+    p20, p21, p22, p23 = scores[h, 2, t], scores[h, 2, t + 1], scores[h, 2, t + 2], scores[h, 2, t + 3]
+    p30, p31, p32, p33 = scores[h, 3, t], scores[h, 3, t + 1], scores[h, 3, t + 2], scores[h, 3, t + 3]
+    for j in range(d):
+        w0, w1 = widen(v[h, a, j]), widen(v[h, a + 1, j])
+        w2, w3 = widen(v[h, a + 2, j]), widen(v[h, a + 3, j])
+        part[h, b, 0, j] += (p00 * w0 + p01 * w1) + (p02 * w2 + p03 * w3)
+        part[h, b, 1, j] += (p10 * w0 + p11 * w1) + (p12 * w2 + p13 * w3)
+        part[h, b, 2, j] += (p20 * w0 + p21 * w1) + (p22 * w2 + p23 * w3)
+        part[h, b, 3, j] += (p30 * w0 + p31 * w1) + (p32 * w2 + p33 * w3)
 
 
 @njit(fastmath=True, cache=True)
