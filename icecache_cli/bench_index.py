@@ -44,6 +44,10 @@ def index(
     walk_keys: Annotated[str | None, typer.Option("--walk-keys", help="The keys a decode step's walk scores: "
                                                   "float32, int8, or both comma-separated (same keys). Default: "
                                                   "the cpu profile's index_walk_keys.", show_default=False)] = None,
+    top_rows: Annotated[str | None, typer.Option("--top-rows", help="A walk scans the levels above the bottom "
+                                                 "whole while they hold at most this many keys (0: every level "
+                                                 "walked), or several comma-separated (same keys). Default: the "
+                                                 "cpu profile's index_top_rows.", show_default=False)] = None,
     model: FullModelOpt = None,
     as_json: Annotated[bool, typer.Option("--json", help="One JSON document per size on stdout.")] = False,
     quiet: QuietOpt = False,
@@ -80,6 +84,8 @@ def index(
         for w in walks:
             if w not in WALK_KEYS:
                 raise UsageError(f"--walk-keys: '{w}' is not one of {', '.join(WALK_KEYS)}")
+        top_rows = str(settings.tuned("index_top_rows")) if top_rows is None else top_rows
+        tops = parse_whole_numbers(top_rows, "--top-rows", lambda r: r >= 0, "0 or more")
         beams = parse_whole_numbers(beam, "--beam", lambda b: b >= 1, "1 or more") if beam is not None else None
         loaded = load_model(model, settings, log=rep.info)
         if beams is None:  # the profile's, as a decode step of this model would walk
@@ -90,8 +96,8 @@ def index(
             beams = [decode_beam(selector_settings(settings, "dci"), walk_dims(loaded.model.config, settings))]
         frac = settings.tuned("index_beam_frac") if beam_frac is None else beam_frac
         configs = [IndexConfig(page_size=settings.page_size, beam=b, beam_frac=frac, pages=p, merge=m, refine=r,
-                               walk_keys=w)
-                   for b in beams for p in modes for m in merges for r in refines for w in walks]
+                               walk_keys=w, top_rows=t)
+                   for b in beams for p in modes for m in merges for r in refines for w in walks for t in tops]
         for n in sizes:
             rep.info(f"capturing {n} keys of layers {layer_ids} ...")
             cap = capture(loaded, n, layer_ids, num_queries=queries,
@@ -101,7 +107,8 @@ def index(
                 res = IndexBenchResult(keys=n, budgets=budget_list)
                 for layer in layer_ids:
                     rep.info(f"measuring layer {layer} (beam {cfg.beam}, beam_frac {cfg.beam_frac:g}, {cfg.pages} "
-                             f"pages, {cfg.merge} merge, refine {cfg.refine}, {cfg.walk_keys} walk keys)")
+                             f"pages, {cfg.merge} merge, refine {cfg.refine}, {cfg.walk_keys} walk keys, "
+                             f"top rows {cfg.top_rows})")
                     run_layer(res, cap.keys[layer], cap.queries[layer], settings.page_size,
                               settings.sink_pages, settings.window_pages, cfg)
                 summary = res.summary()
@@ -116,7 +123,8 @@ def index(
 def print_table(s: dict) -> None:
     t = Table(title=f"index bench: {s['keys']} keys, layers {s['layers']}, beam {s['config']['beam']} "
                 f"(beam_frac {s['config']['beam_frac']:g}), {s['config']['pages']} pages, {s['config']['merge']} merge, "
-                f"refine {s['config']['refine']}, {s['config']['walk_keys']} walk keys", box=None)
+                f"refine {s['config']['refine']}, {s['config']['walk_keys']} walk keys, top rows {s['config']['top_rows']}",
+              box=None)
     # one row per selection, one column per budget: the table stays narrow as methods are added
     t.add_column("attention mass")
     by_budget = s["attention_mass_by_budget"]

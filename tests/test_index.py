@@ -971,3 +971,105 @@ def test_a_tree_without_an_int8_copy_makes_it_at_its_first_walk():
     check_int8_copy(old)
     old.insert(clustered(50, seed=11))  # and it is kept from then on
     check_int8_copy(old)
+
+
+def check_top_copy(t: DCITree) -> None:
+    """The walks' kept copy of the top levels (:func:`~icecache.index.kernels.shared.top_copy`)
+    against the tree itself: it holds every point from the top level down to the lowest level
+    above the bottom at which they number at most ``top_rows``, the levels above that one first,
+    a tree page's rows together, each row the key the walks read at that point's place."""
+    keys, steps, (held, first, tk, ts, tm, tc, tp) = t.walk_keys()
+    level = t.level[: t.n].astype(int)
+    counts = [int((level == lvl).sum()) for lvl in range(t.top_level + 1)]
+    want = 0
+    for lvl in range(t.top_level, 0, -1):
+        if sum(counts[lvl:]) > t.cfg.top_rows:
+            break
+        want = lvl
+    assert held == want
+    if want == 0:
+        assert len(tp) == 0
+        return
+    rows = np.concatenate([tm[x, : tc[x]] for x in range(len(tc))])
+    assert sorted(rows.tolist()) == np.flatnonzero(level >= want).tolist()
+    assert first == int((level > want).sum())
+    assert (level[rows[:first]] > want).all() and (level[rows[first:]] == want).all()
+    assert (tp == t.tok_page[rows]).all()
+    starts = np.flatnonzero(np.r_[True, tp[1:] != tp[:-1]])
+    assert len(starts) == len(set(tp.tolist()))  # a page's rows together
+    page, slot = t.tok_page[rows], t.tok_slot[rows]
+    S = t.cfg.page_size
+    at = np.arange(len(rows))
+    if keys.ndim == 4:  # the int8 pairs: (pages, pairs, rows, 2)
+        assert (tk[at // S, :, at % S] == keys[page, :, slot]).all()
+        assert (ts[at // S, at % S] == steps[page, slot]).all()
+    else:
+        assert (tk[at // S, at % S, : t.d] == keys[page, slot, : t.d]).all()
+
+
+@pytest.mark.parametrize("walk_keys", ["int8", "float32"])
+@pytest.mark.parametrize("top_rows", [0, 40, 2048])
+def test_the_top_copy_follows_every_insert_and_refinement(walk_keys, top_rows):
+    """The copy of the levels a walk scans whole is the tree's, after a build, after inserts
+    that add only bottom points (kept: they touch bottom pages only) or points above the bottom
+    (made again), after a refinement; ``top_rows`` picks how many levels it holds."""
+    rng = np.random.default_rng(5)
+    t = DCITree(8, IndexConfig(page_size=4, ratio_bottom=0.1, ratio_upper=0.3, refine=1, refine_min=16,
+                               walk_keys=walk_keys, top_rows=top_rows), capacity=16)
+    t.insert(clustered(400, d=8, seed=2))
+    check_top_copy(t)
+    kept = 0
+    for b in (1, 2, 1, 3, 17, 1, 60, 2, 200, 1):
+        made = t._top
+        t.insert((clustered(b, d=8, seed=int(rng.integers(1 << 30))) * rng.uniform(0.5, 3)).astype(np.float32))
+        check_top_copy(t)
+        kept += t._top is made
+    assert kept  # some inserts added bottom points only and the copy was kept
+    t.refine(None, 1)
+    check_top_copy(t)
+
+
+def test_a_walk_from_the_top_copy_chooses_what_the_level_by_level_walk_does_when_its_beam_covers_them():
+    """Where the beam covers every node above level 1, the level-by-level walk scans all of
+    level 1 too and expands each query's beam best of it: the walk from the copy (levels 1 and
+    up scanned whole) chooses the same pages and scans the same points."""
+    import dataclasses
+
+    keys = clustered(4000, seed=12)
+    cfg = IndexConfig(page_size=8, ratio_bottom=1 / 16, walk_keys="int8")
+    t = DCITree(16, cfg)
+    t.insert(keys)
+    level = t.level[: t.n]
+    beam = int((level >= 2).sum())
+    assert beam < (level == 1).sum() <= cfg.top_rows
+    walked = DCITree(16, dataclasses.replace(cfg, beam=beam, top_rows=0))
+    walked.insert(keys)
+    t.cfg = dataclasses.replace(cfg, beam=beam)
+    assert t.walk_keys()[2][0] == 1
+    for seed in range(6):
+        q = clustered(3, seed=100 + seed)
+        assert t.select_group(q, 256, 16).tolist() == walked.select_group(q, 256, 16).tolist()
+        assert sorted(t.scanned(q).tolist()) == sorted(walked.scanned(q).tolist())
+
+
+def test_a_walk_from_the_top_copy_expands_each_querys_exact_best_level_1_nodes():
+    """With level 1 in the copy, the bottom points a walk scans are the children of the union
+    of each query's ``beam`` best level-1 points by inner product (float walk keys: the scores
+    are the transformed keys' own), the exact frontier a narrower level-by-level walk
+    approximates."""
+    keys = clustered(6000, seed=13)
+    t = DCITree(16, IndexConfig(page_size=8, ratio_bottom=1 / 16, beam=12, walk_keys="float32"))
+    t.insert(keys)
+    level = t.level[: t.n]
+    ones = np.flatnonzero(level == 1)
+    assert t.walk_keys()[2][0] == 1 and len(ones) > 12
+    for seed in range(4):
+        q = clustered(3, seed=200 + seed)
+        best = set()
+        for r in range(3):
+            scores = keys[ones].astype(np.float64) @ q[r].astype(np.float64)
+            best |= set(ones[np.argsort(-scores, kind="stable")[:12]].tolist())
+        scanned = t.scanned(q)
+        bottom = scanned[level[scanned] == 0]
+        want = np.flatnonzero((level == 0) & np.isin(t.parent[: t.n] - 1, list(best)))
+        assert sorted(bottom.tolist()) == want.tolist()

@@ -39,6 +39,12 @@ class IndexConfig:
     its own, ``max |k| / 127``, kept beside them page by page: a page's 16 keys in 1 KiB against
     4 KiB; see :func:`~icecache.index.kernels.shared.quantize_pages`). The builds, the lone
     queries and the parents' searches always read the float keys.
+    ``top_rows``: a shared walk scans the levels above the bottom whole, from the top down to the
+    lowest level at which they hold at most this many points, from one contiguous copy of their
+    keys (:func:`~icecache.index.kernels.shared.top_copy`, made again after an insert that adds
+    points above the bottom), and walks level by level from there (0: every level walked).
+    Walked, those levels are a chain of small dependent reads (a node's pages, their keys, the
+    next level's nodes); at 16k keys a walk expanded most of level 1's nodes' pages anyway.
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
@@ -63,6 +69,7 @@ class IndexConfig:
     refine_candidates: int = 8
     refine_min: int = 256
     walk_keys: str = "float32"
+    top_rows: int = 2048
 
     def __post_init__(self):
         if self.merge not in MERGES:
@@ -77,5 +84,7 @@ class IndexConfig:
             raise ValueError("promotion ratios must be in (0, 1)")
         if self.refine < 0 or self.refine_candidates < 1 or self.refine_min < 1:
             raise ValueError("refine must be >= 0, refine_candidates and refine_min >= 1")
+        if self.top_rows < 0:
+            raise ValueError("top_rows must be 0 (off) or more")
         if self.page_size < 2:
             raise ValueError("page_size must be >= 2")

@@ -67,6 +67,11 @@ class DCITree:
     # the walks' int8 copy (walk_keys: int8) where a saved tree has none: none (_walk_copy makes it)
     K8 = np.zeros((0, 1, 1, 2), np.int8)
     K8_steps = np.zeros((0, 1), np.float32)
+    # the shared walks' copy of the levels they scan whole (IndexConfig.top_rows), as
+    # (top_version when made, the copy); top_version is raised by every change that can touch
+    # them: an insert of points above the bottom, a refinement, the int8 copy made again
+    _top = None
+    top_version = 0
 
     # -- copies -----------------------------------------------------------------------------
     _shared = False  # arrays shared with a copy (:meth:`__deepcopy__`): copied before any write
@@ -234,6 +239,8 @@ class DCITree:
         self.level[ids] = levels
         self.n += m
         rows = self._set_keys(ids, keys)
+        if levels.max() > 0:  # (bottom points change only bottom pages: the walks' top copy stays)
+            self.top_version += 1
         for lvl in set(levels.tolist()) - {0}:
             self._by_level.setdefault(lvl, []).append(ids[levels == lvl])
         # Levels top-down: a point's parent exists before the point itself is placed.
@@ -279,6 +286,7 @@ class DCITree:
         are marked dirty. Returns how many points changed parent.
         """
         moved = refine_bottom(self, nodes, passes)
+        self.top_version += 1
         self._requantize(np.flatnonzero(self.dirty[: self.npages]).astype(np.int32))
         return moved
 
@@ -291,6 +299,7 @@ class DCITree:
         if self.K8.shape != (self.pcap, *self._pair_shape()):  # (or laid out by rows, as it once was)
             S = self.cfg.page_size
             self.version += 1
+            self.top_version += 1
             self.K8 = np.zeros((self.pcap, *self._pair_shape()), np.int8)
             self.K8_steps = np.zeros((self.pcap, S), np.float32)
             kernels.quantize_pages(np.arange(self.npages, dtype=np.int32), self.PX, self.count, self.K8,
@@ -321,12 +330,16 @@ class DCITree:
         if self._walk_copy() and len(pages):
             kernels.quantize_pages(pages, self.PX, self.count, self.K8, self.K8_steps)
 
-    def walk_keys(self) -> tuple[np.ndarray, np.ndarray]:
-        """(keys, steps) the shared walks score: the int8 copy and its steps, or the float
-        transformed keys and no steps."""
-        if self._walk_copy():
-            return self.K8, self.K8_steps
-        return self.PX, self.K8_steps
+    def walk_keys(self) -> tuple[np.ndarray, np.ndarray, tuple]:
+        """(keys, steps, top) the shared walks score: the int8 copy and its steps, or the float
+        transformed keys and no steps; and the copy of the levels they scan whole
+        (:func:`~.kernels.shared.top_copy`, kept until :attr:`top_version` moves)."""
+        keys, steps = (self.K8, self.K8_steps) if self._walk_copy() else (self.PX, self.K8_steps)
+        if self._top is None or self._top[0] != self.top_version:
+            self._top = (self.top_version, kernels.top_copy(
+                self.top_level, self.first_page, self.next_page, self.members, self.count, keys, steps,
+                self.cfg.top_rows))
+        return keys, steps, self._top[1]
 
     def _level_ids(self, lvl: int) -> np.ndarray:
         """Point ids of one level (upper levels only; kept as the points arrive)."""

@@ -142,7 +142,10 @@ class _Walk:
         self.refs = tuple(weakref.ref(t) for t in trees)
         self.versions = tuple(t.version for t in trees)
         self.shape = shape
-        self.keys = tuple(w[0] for w in keys), tuple(w[1] for w in keys)
+        tops = [w[2] for w in keys]
+        self.keys = (tuple(w[0] for w in keys), tuple(w[1] for w in keys),
+                     (np.array([t[0] for t in tops], np.int64), np.array([t[1] for t in tops], np.int64),
+                      *(tuple(t[i] for t in tops) for i in range(2, 7))))
         self.beams = np.array([t.beam_for(wide) for t in trees], np.int64)
         self.top_levels = np.array([t.top_level for t in trees], np.int64)
         self.links = (tuple(t.first_page for t in trees), tuple(t.next_page for t in trees),

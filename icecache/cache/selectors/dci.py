@@ -45,6 +45,10 @@ class DCISettings:
     # the keys a decode step's walk scores: "int8" (a rounded copy beside the float keys, a
     # quarter of their bytes) or "float32" (IndexConfig.walk_keys)
     index_walk_keys: str = "int8"
+    # a step's walk scans the levels above the bottom whole while they hold at most this many
+    # keys, from one contiguous copy, and walks level by level below them (0: every level walked;
+    # IndexConfig.top_rows)
+    index_top_rows: int = 2048
     # a decode step also ranks the previous search's best carry_pages pages (0: off): a narrow
     # beam keeps what an earlier, wider search found while the queries still want it
     carry_pages: int = 32
@@ -69,6 +73,8 @@ class DCISettings:
             raise ValueError(f"index_merge must be one of {', '.join(MERGES)}")
         if self.index_walk_keys not in WALK_KEYS:
             raise ValueError(f"index_walk_keys must be one of {', '.join(WALK_KEYS)}")
+        if self.index_top_rows < 0:
+            raise ValueError("index_top_rows must be 0 (off) or more")
         if not 0 <= self.index_refine <= 10:
             raise ValueError("index_refine must be a whole number from 0 to 10")
         if not 0 <= self.carry_pages <= 1024:
@@ -114,7 +120,8 @@ def tree_config(settings: DCISettings, page_size: int, chunk_tokens: int, beam: 
     return IndexConfig(page_size=page_size, ratio_bottom=1 / (2 * page_size), beam=beam,
                        beam_frac=settings.index_beam_frac, pages=settings.index_pages,
                        merge=settings.index_merge, refine=settings.index_refine,
-                       refine_min=max(1, min(256, chunk_tokens)), walk_keys=settings.index_walk_keys)
+                       refine_min=max(1, min(256, chunk_tokens)), walk_keys=settings.index_walk_keys,
+                       top_rows=settings.index_top_rows)
 
 
 @register("dci")

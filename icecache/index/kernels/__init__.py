@@ -35,10 +35,11 @@ from .shared import (
            select_group_shared,
            select_heads_shared,
            split_heads,
+           top_copy,
            top_rows,
 )
 
 __all__ = ["MERGES", "attach_sorted", "best_pages", "group_pages", "insert_child", "insert_children", "kth_largest",
            "merge_ranked", "nearest_among", "parents_by_tree", "peak_pages", "quantize_pages", "query_tree", "ranked_pages",
            "search_group_shared", "search_many", "select_group", "select_group_shared", "select_heads_shared",
-           "split_heads", "top_rows", "topk_indices"]
+           "split_heads", "top_copy", "top_rows", "topk_indices"]

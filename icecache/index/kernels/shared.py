@@ -174,7 +174,7 @@ def _unit(queries):
 
 
 @njit(nogil=True, cache=True)
-def _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, count, mark, scratch_ids,
+def _walk_down(P, beam, keys, steps, top, top_level, first_page, next_page, members, count, mark, scratch_ids,
                scratch_pages, scratch_scores, extra, n_extra, owner, todo):
     """The group's shared walk down to the bottom level: the levels above it scanned into the
     scratch rows from row 0, the bottom level's pages left to scan listed in ``todo`` (then
@@ -191,14 +191,30 @@ def _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, 
     query (unit-norm queries); a page's rows are contiguous, and each page is scanned once (a
     page has one owner node, a level's nodes are expanded once: a level lists each page at most
     once, and the extra pages once each).
+
+    ``top``: the tree's top levels as one contiguous copy (:func:`top_copy`); where it holds any
+    (its first field, the lowest level it holds, above 0) they are scanned whole, and the walk
+    goes on from that level's ``beam`` best nodes per query.
     """
-    g = scratch_scores.shape[1]
     stamp = mark[0] + 1  # mark[0] counts calls; node 0 (the root) is never marked
     mark[0] = stamp
-    frontier = np.zeros(1, np.int64)
-    kept = 0
-    lvl = top_level
     rows = scratch_ids.shape[0]
+    if top[0] > 0:
+        lvl, first, top_keys, top_steps, top_members, top_count, top_pages = top
+        kept = top_pages.shape[0]
+        if kept > rows:
+            return -1, 0
+        _scan_pages(np.arange(top_count.shape[0]).astype(np.int32), top_count.shape[0], P, top_keys, top_steps,
+                    top_members, top_count, scratch_ids, scratch_pages, scratch_scores, 0)
+        scratch_pages[:kept] = top_pages
+        for i in range(first):  # the points above the lowest level own the copy's pages: expanded
+            mark[scratch_ids[i] + 1] = stamp
+        frontier = _expand(scratch_ids, scratch_scores, first, kept, beam, mark, stamp)
+        lvl -= 1
+    else:
+        frontier = np.zeros(1, np.int64)
+        kept = 0
+        lvl = top_level
     while True:
         # the level's pages first (their links are read back to back), then their keys, each
         # page's asked for a few pages ahead of its scan
@@ -221,19 +237,117 @@ def _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, 
         m = _scan_pages(todo, n_pages, P, keys, steps, members, count, scratch_ids, scratch_pages, scratch_scores,
                         kept)
         if m > kept:
-            nxt = np.empty(g * min(beam, m - kept), np.int64)
-            nn = 0
-            for r in range(g):
-                best = topk_indices(scratch_scores[kept:m, r].copy(), min(beam, m - kept))
-                for t in range(best.shape[0]):
-                    node = scratch_ids[kept + best[t]] + 1
-                    if mark[node] != stamp:
-                        mark[node] = stamp
-                        nxt[nn] = node
-                        nn += 1
-            frontier = nxt[:nn]
+            frontier = _expand(scratch_ids, scratch_scores, kept, m, beam, mark, stamp)
         kept = m
         lvl -= 1
+
+
+@njit(nogil=True, cache=True)
+def _expand(scratch_ids, scratch_scores, lo, hi, beam, mark, stamp):
+    """The nodes a walk expands next: the union of each query's ``beam`` best of the scanned rows
+    ``lo:hi`` (one level's points), each marked with ``stamp`` and listed once."""
+    g = scratch_scores.shape[1]
+    nxt = np.empty(g * min(beam, hi - lo), np.int64)
+    nn = 0
+    for r in range(g):
+        best = topk_indices(scratch_scores[lo:hi, r].copy(), min(beam, hi - lo))
+        for t in range(best.shape[0]):
+            node = scratch_ids[lo + best[t]] + 1
+            if mark[node] != stamp:
+                mark[node] = stamp
+                nxt[nn] = node
+                nn += 1
+    return nxt[:nn]
+
+
+def _copy_row(to, x, t, keys, pg, s):
+    """Row ``s`` of page ``pg`` of ``keys`` into row ``t`` of page ``x`` of ``to`` (the same layout:
+    the float keys' (pages, rows, D) or the int8 copy's pairs (pages, pairs, rows, 2))."""
+    raise NotImplementedError  # numba's overload below
+
+
+@overload(_copy_row, inline="always")
+def _copy_row_of(to, x, t, keys, pg, s):
+    if isinstance(keys, types.Array) and keys.ndim == 4:
+        def pairs(to, x, t, keys, pg, s):
+            for j in range(keys.shape[1]):  # (element by element: a slice's view costs more here)
+                to[x, j, t, 0] = keys[pg, j, s, 0]
+                to[x, j, t, 1] = keys[pg, j, s, 1]
+        return pairs
+
+    def rows(to, x, t, keys, pg, s):
+        for j in range(keys.shape[2]):
+            to[x, t, j] = keys[pg, s, j]
+    return rows
+
+
+@njit(nogil=True, cache=True)
+def top_copy(top_level, first_page, next_page, members, count, keys, steps, max_rows):
+    """The levels of a tree that a shared walk scans whole (:func:`_walk_down`): those from the
+    top down to the lowest level above the bottom at which they still hold at most ``max_rows``
+    points, their pages' rows copied back to back into pages of their own.
+
+    Walked level by level, those levels are a chain of small reads that depend on each other
+    (a node's pages, then their keys, then the next level's nodes); the copy is one contiguous
+    read. Returns ``(lowest, first, keys, steps, members, count, pages)``: the lowest level held
+    (0: none, the walk goes level by level), the first row of that level's points (the levels
+    above come first), the copy's keys and steps (the layout of ``keys`` and ``steps``, full
+    pages of the tree's page size but the last), members and counts, and each row's tree page
+    (a tree page's rows stay together, as a walk scans them)."""
+    S = members.shape[1]
+    pages = np.empty(members.shape[0], np.int32)
+    level_end = np.zeros(max(top_level, 1), np.int64)  # level top_level - i: pages to level_end[i]
+    level_rows = np.zeros(max(top_level, 1), np.int64)
+    nodes = np.zeros(1, np.int64)  # the root
+    n = 0
+    lowest = -1
+    total = 0
+    for i in range(top_level):  # levels top_level down to 1 (level 0's pages are the bottom)
+        start = n
+        for f in range(nodes.shape[0]):
+            pg = first_page[nodes[f]]
+            while pg >= 0:
+                pages[n] = pg
+                n += 1
+                level_rows[i] += count[pg]
+                pg = next_page[pg]
+        level_end[i] = n
+        total += level_rows[i]
+        if total > max_rows:
+            break
+        lowest = i
+        nodes = np.empty(level_rows[i], np.int64)
+        c = 0
+        for j in range(start, n):
+            for s in range(count[pages[j]]):
+                nodes[c] = members[pages[j], s] + 1
+                c += 1
+    if lowest < 0:
+        return (0, 0, keys[:0].copy(), steps[:0].copy(), members[:0].copy(), count[:0].copy(),
+                np.empty(0, np.int32))
+    rows = 0
+    for i in range(lowest + 1):
+        rows += level_rows[i]
+    X = (rows + S - 1) // S
+    top_keys = np.zeros((X,) + keys.shape[1:], keys.dtype)
+    top_steps = np.ones((X if steps.shape[0] else 0, steps.shape[1]), steps.dtype)
+    top_members = np.full((X, S), -1, members.dtype)
+    top_count = np.zeros(X, count.dtype)
+    top_pages = np.empty(rows, np.int32)
+    m = 0
+    for j in range(level_end[lowest]):
+        pg = pages[j]
+        for s in range(count[pg]):
+            x, t = m // S, m % S
+            _copy_row(top_keys, x, t, keys, pg, s)
+            if steps.shape[0]:
+                top_steps[x, t] = steps[pg, s]
+            top_members[x, t] = members[pg, s]
+            top_count[x] += 1
+            top_pages[m] = pg
+            m += 1
+    return (top_level - lowest, rows - level_rows[lowest], top_keys, top_steps, top_members, top_count,
+            top_pages)
 
 
 @njit(nogil=True, cache=True)
@@ -264,7 +378,7 @@ def _extra_pages(extra, n_extra, owner, top_level, mark, count, todo, n_pages, n
 
 
 @njit(nogil=True, cache=True)
-def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members, count, mark,
+def _walk_shared(queries, beam, keys, steps, top, top_level, first_page, next_page, members, count, mark,
                  scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner):
     """The group's whole walk (:func:`_walk_down`, then its bottom pages and the extra pages
     scanned); returns (rows scanned, query norms, the queries as the scan takes them:
@@ -272,7 +386,7 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
     V, norms = _unit(queries)
     P = _prepared(V, keys)
     todo = np.empty(members.shape[0] + n_extra, np.int32)
-    kept, n_todo = _walk_down(P, beam, keys, steps, top_level, first_page, next_page, members, count, mark,
+    kept, n_todo = _walk_down(P, beam, keys, steps, top, top_level, first_page, next_page, members, count, mark,
                               scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner, todo)
     if kept < 0:
         return -1, norms, P
@@ -281,7 +395,7 @@ def _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, m
 
 
 @njit(nogil=True, cache=True)
-def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page, members, count,
+def search_group_shared(queries, k, beam, keys, steps, top, top_level, first_page, next_page, members, count,
                         mark, scratch_ids, scratch_pages, scratch_scores, out_ids, out_scores):
     """Top-``k`` points for each of a group's queries (g, d), the group walking the tree together.
 
@@ -291,7 +405,7 @@ def search_group_shared(queries, k, beam, keys, steps, top_level, first_page, ne
     (rows, g). Returns False when the scratch was too short (nothing written).
     """
     g = queries.shape[0]
-    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
+    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top, top_level, first_page, next_page, members,
                                   count, mark, scratch_ids, scratch_pages, scratch_scores,
                                   np.empty(0, np.int32), 0, np.empty(0, np.int32))
     if kept < 0:
@@ -539,7 +653,7 @@ MERGES = ("ranks", "mass", "peaks")  # the merge rules' codes in the kernels: th
 
 
 @njit(nogil=True, cache=True)
-def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, first_page, next_page,
+def select_group_shared(queries, k, max_pages, beam, keys, steps, top, top_level, first_page, next_page,
                         members, count, tok_page, mark, scratch_ids, scratch_pages, scratch_scores,
                         extra, n_extra, owner, merge=0, scale=1.0, take=0):
     """``select_group`` with the shared walk of ``search_group_shared``: (pages, tokens, ok).
@@ -562,11 +676,11 @@ def select_group_shared(queries, k, max_pages, beam, keys, steps, top_level, fir
     if k < max_pages * members.shape[1]:  # (members: (pages, page size))
         ids = np.empty((g, k), np.int32)
         scores = np.empty((g, k), np.float32)
-        if not search_group_shared(queries, k, beam, keys, steps, top_level, first_page, next_page,
+        if not search_group_shared(queries, k, beam, keys, steps, top, top_level, first_page, next_page,
                                    members, count, mark, scratch_ids, scratch_pages, scratch_scores, ids, scores):
             return none, none, False
         return group_pages(ids, tok_page, max_pages), none, True
-    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top_level, first_page, next_page, members,
+    kept, norms, _ = _walk_shared(queries, beam, keys, steps, top, top_level, first_page, next_page, members,
                                   count, mark, scratch_ids, scratch_pages, scratch_scores, extra, n_extra, owner)
     if kept < 0:
         return none, none, False
@@ -602,12 +716,14 @@ def split_heads(heads: int) -> bool:
 
 
 @njit(parallel=True, cache=True)
-def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_levels, first_pages, next_pages,
+def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, tops, top_levels, first_pages, next_pages,
                         members_t, counts, tok_pages, marks, sids, spgs, sscs, out, lens, ok, extras, n_extras,
                         owners, merge, scale, take, tok_out, tok_lens, split):
     """:func:`select_group_shared` for every KV head of a layer at once, on numba's threads.
     queries (H, G, d); ``beams``/``top_levels`` (H,); the tree arrays and each head's scratch
-    come as tuples indexed by head. Writes head h's pages to ``out[h, :lens[h]]`` and, with
+    come as tuples indexed by head, and each head's :func:`top_copy` field by field in ``tops``:
+    its two numbers as (H,) arrays, its arrays as tuples by head (numba's parallel loops take no
+    tuple of tuples). Writes head h's pages to ``out[h, :lens[h]]`` and, with
     ``take`` > 0, its tokens to ``tok_out[h, :tok_lens[h]]`` (``tok_out`` (H, take)); ``ok[h]``
     is False when its scratch was too short (nothing written). ``extras`` (H, E) with
     ``n_extras`` (H,) valid: each head's ``extra`` pages.
@@ -623,10 +739,12 @@ def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_level
     21.43 -> 20.33. The embedded model's 3 heads on 2 threads lost with the three parallel
     loops (index query 8.43 -> 9.32 ms at 16k), so they stay a head a task."""
     H = queries.shape[0]
+    top_held, top_first, tk, ts, tm, tc, tp = tops
     if not split or k < max_pages * members_t[0].shape[1]:  # a head a task
         for h in prange(H):
+            top = (top_held[h], top_first[h], tk[h], ts[h], tm[h], tc[h], tp[h])
             pages, tokens, good = select_group_shared(
-                queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h],
+                queries[h], k, max_pages, beams[h], keys_t[h], steps_t[h], top, top_levels[h], first_pages[h],
                 next_pages[h], members_t[h], counts[h], tok_pages[h], marks[h], sids[h], spgs[h], sscs[h],
                 extras[h], n_extras[h], owners[h], merge, scale, take)
             _put(h, pages, tokens, good, out, lens, ok, tok_out, tok_lens)
@@ -644,7 +762,8 @@ def select_heads_shared(queries, k, max_pages, beams, keys_t, steps_t, top_level
     kept = np.zeros(H, np.int64)
     n_todo = np.zeros(H, np.int64)
     for h in prange(H):
-        a, b = _walk_down(prepared[h], beams[h], keys_t[h], steps_t[h], top_levels[h], first_pages[h],
+        top = (top_held[h], top_first[h], tk[h], ts[h], tm[h], tc[h], tp[h])
+        a, b = _walk_down(prepared[h], beams[h], keys_t[h], steps_t[h], top, top_levels[h], first_pages[h],
                           next_pages[h], members_t[h], counts[h], marks[h], sids[h], spgs[h], sscs[h], extras[h],
                           n_extras[h], owners[h], todo[h])
         kept[h] = a
