@@ -502,7 +502,8 @@ class DCITree:
 
     def nbytes(self) -> int:
         names = self.POINT_ARRAYS + self.PAGE_ARRAYS
-        return int(sum(getattr(self, name).nbytes for name in names))
+        top = sum(a.nbytes for a in self._top[1][2:]) if self._top is not None else 0  # the walks' top copy
+        return int(sum(getattr(self, name).nbytes for name in names) + top)
 
 
 def _pair(result):

@@ -296,46 +296,40 @@ def top_copy(top_level, first_page, next_page, members, count, keys, steps, max_
     (a tree page's rows stay together, as a walk scans them)."""
     S = members.shape[1]
     pages = np.empty(members.shape[0], np.int32)
-    level_end = np.zeros(max(top_level, 1), np.int64)  # level top_level - i: pages to level_end[i]
-    level_rows = np.zeros(max(top_level, 1), np.int64)
     nodes = np.zeros(1, np.int64)  # the root
-    n = 0
-    lowest = -1
-    total = 0
-    for i in range(top_level):  # levels top_level down to 1 (level 0's pages are the bottom)
-        start = n
+    n = total = 0
+    # the lowest level held (0: none), the pages and rows from the top down to it, its own rows
+    lowest = held_pages = held_rows = last_rows = 0
+    for lvl in range(top_level, 0, -1):  # (level 0's pages are the bottom)
+        start, here = n, 0
         for f in range(nodes.shape[0]):
             pg = first_page[nodes[f]]
             while pg >= 0:
                 pages[n] = pg
                 n += 1
-                level_rows[i] += count[pg]
+                here += count[pg]
                 pg = next_page[pg]
-        level_end[i] = n
-        total += level_rows[i]
+        total += here
         if total > max_rows:
             break
-        lowest = i
-        nodes = np.empty(level_rows[i], np.int64)
+        lowest, held_pages, held_rows, last_rows = lvl, n, total, here
+        nodes = np.empty(here, np.int64)
         c = 0
         for j in range(start, n):
             for s in range(count[pages[j]]):
                 nodes[c] = members[pages[j], s] + 1
                 c += 1
-    if lowest < 0:
+    if lowest == 0:
         return (0, 0, keys[:0].copy(), steps[:0].copy(), members[:0].copy(), count[:0].copy(),
                 np.empty(0, np.int32))
-    rows = 0
-    for i in range(lowest + 1):
-        rows += level_rows[i]
-    X = (rows + S - 1) // S
+    X = (held_rows + S - 1) // S
     top_keys = np.zeros((X,) + keys.shape[1:], keys.dtype)
     top_steps = np.ones((X if steps.shape[0] else 0, steps.shape[1]), steps.dtype)
     top_members = np.full((X, S), -1, members.dtype)
     top_count = np.zeros(X, count.dtype)
-    top_pages = np.empty(rows, np.int32)
+    top_pages = np.empty(held_rows, np.int32)
     m = 0
-    for j in range(level_end[lowest]):
+    for j in range(held_pages):
         pg = pages[j]
         for s in range(count[pg]):
             x, t = m // S, m % S
@@ -346,8 +340,7 @@ def top_copy(top_level, first_page, next_page, members, count, keys, steps, max_
             top_count[x] += 1
             top_pages[m] = pg
             m += 1
-    return (top_level - lowest, rows - level_rows[lowest], top_keys, top_steps, top_members, top_count,
-            top_pages)
+    return lowest, held_rows - last_rows, top_keys, top_steps, top_members, top_count, top_pages
 
 
 @njit(nogil=True, cache=True)
