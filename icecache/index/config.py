@@ -44,7 +44,7 @@ class IndexConfig:
     keys (:func:`~icecache.index.kernels.shared.top_copy`, made again after an insert that adds
     points above the bottom), and walks level by level from there (0: every level walked).
     Walked, those levels are a chain of small dependent reads (a node's pages, their keys, the
-    next level's nodes); at 16k keys a walk expanded most of level 1's nodes' pages anyway.
+    next level's nodes); at 16k keys a walk scanned most of the points above the bottom anyway.
 
     Defaults: the authors promote 1 in 100 bottom points with a field of view of 30; on this
     model's real keys at 8k tokens, 1 in 32 with a beam of 48 gives pages that hold more
