@@ -822,7 +822,8 @@ def test_keys_too_wide_for_the_integer_sums_walk_their_float_keys():
 def test_the_integer_block_sums_are_the_int64_dot_products():
     """The walk's integer sums (vpmaddwd on AVX2, plain vector arithmetic elsewhere) against
     NumPy's int64 products of the pair copy and the int16 queries, every group size a call
-    takes, extreme values included (127 x 32767 over 256 coordinates stays exact in int32)."""
+    takes, extreme values included (127 x 32767 over 256 coordinates stays exact in int32), an
+    odd number of pairs too (the last pair outside the two accumulators' loop)."""
     from numba import njit
 
     from icecache.index.kernels.pairs import BLOCK, MAX_GROUP, block_sums, reference_sums
@@ -842,7 +843,7 @@ def test_the_integer_block_sums_are_the_int64_dot_products():
                     g0 += nq
 
     rng = np.random.default_rng(4)
-    for pairs, rows, g in ((32, 16, 3), (4, 8, 7), (128, 24, 5), (1, 8, 1)):
+    for pairs, rows, g in ((32, 16, 3), (4, 8, 7), (128, 24, 5), (1, 8, 1), (33, 16, 2)):
         keys = rng.integers(-127, 128, (5, pairs, rows, 2)).astype(np.int8)
         q = rng.integers(-32767, 32768, (g, pairs, 2)).astype(np.int16)
         keys[0] = 127
