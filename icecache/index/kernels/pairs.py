@@ -98,14 +98,12 @@ def _block_sums_of(nq: int):
                 add_pair(builder.add(j, one), 1)
             with builder.if_then(builder.trunc(pairs, ir.IntType(1))):
                 add_pair(builder.sub(pairs, one), 0)
-            for r in range(nq):
-                builder.store(builder.add(builder.load(accs[r][0]), builder.load(accs[r][1])), accs[r][0])
-            accs = [a[0] for a in accs]
             dst = _item_pointer(context, builder, oty, args[5], [zero, zero], [intp, intp])
             ostride = cgutils.unpack_tuple(builder, context.make_array(oty)(context, builder, args[5]).strides, 2)[0]
             for r in range(nq):
                 at = builder.gep(builder.bitcast(dst, byte), [builder.mul(context.get_constant(intp, r), ostride)])
-                builder.store(builder.load(accs[r]), builder.bitcast(at, _LONGS.as_pointer()), align=4)
+                total = builder.add(builder.load(accs[r][0]), builder.load(accs[r][1]))
+                builder.store(total, builder.bitcast(at, _LONGS.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
