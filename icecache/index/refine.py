@@ -78,7 +78,7 @@ def recut_nodes(tree, nodes: np.ndarray, pts: np.ndarray, new_parent: np.ndarray
     children of ``nodes`` (which hold every point whose parent changed, before and after)
     into pages again."""
     nodes = nodes.astype(np.int32)
-    old_pages = refine_kernels.node_pages(nodes, tree.first_page, tree.next_page)
+    old_pages = refine_kernels.node_pages(nodes, tree.first_page, tree.next_page, tree.count)
     tree.parent[pts] = new_parent
     keep = np.isin(new_parent, nodes)
     ids, rows = pts[keep], rows[keep]

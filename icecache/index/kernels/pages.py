@@ -12,6 +12,21 @@ from numba import njit
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 
 
+@njit(nogil=True, cache=True, inline="always")
+def node_chain_pages(nodes, first_page, next_page, count, out, n):
+    """The pages of ``nodes`` (each node's chain in order) into ``out`` from ``n``: returns (the
+    pages listed now in all, the rows they hold)."""
+    rows = 0
+    for f in range(nodes.shape[0]):
+        pg = first_page[nodes[f]]
+        while pg >= 0:
+            out[n] = pg
+            n += 1
+            rows += count[pg]
+            pg = next_page[pg]
+    return n, rows
+
+
 @njit(nogil=True, cache=True)
 def _add_new(out, m, p):
     """Append page ``p`` to ``out[:m]`` unless it is there already; return the new length (lists

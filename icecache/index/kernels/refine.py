@@ -13,6 +13,7 @@ from numba import njit
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from .build import cut_node, run_end
+from .pages import node_chain_pages
 
 
 @njit(nogil=True, cache=True)
@@ -71,23 +72,12 @@ def nearest_candidate(rows, group, cand, row_of, centres, csq, out):
 
 
 @njit(nogil=True, cache=True)
-def node_pages(nodes, first_page, next_page):
-    """Every page of ``nodes`` (walking each node's page chain), in order."""
-    total = 0
-    for t in range(nodes.shape[0]):
-        pg = first_page[nodes[t]]
-        while pg >= 0:
-            total += 1
-            pg = next_page[pg]
-    out = np.empty(total, np.int32)
-    m = 0
-    for t in range(nodes.shape[0]):
-        pg = first_page[nodes[t]]
-        while pg >= 0:
-            out[m] = pg
-            m += 1
-            pg = next_page[pg]
-    return out
+def node_pages(nodes, first_page, next_page, count):
+    """Every page of ``nodes`` (walking each node's page chain), in order (a page has one owner
+    node, so they are at most every page)."""
+    out = np.empty(next_page.shape[0], np.int32)
+    n, _ = node_chain_pages(nodes, first_page, next_page, count, out, 0)
+    return out[:n]
 
 
 @njit(nogil=True, cache=True)

@@ -14,7 +14,7 @@ from numba.extending import overload
 
 from ... import numba_cache  # noqa: F401  (numba's cache folder: before any kernel is defined)
 from ...prefetch import prefetch_row
-from .pages import group_pages, merge_ranked
+from .pages import group_pages, merge_ranked, node_chain_pages
 from .pairs import BLOCK, MAX_GROUP, block_sums, round_queries
 from .query import topk_indices
 
@@ -218,7 +218,7 @@ def _walk_down(P, beam, keys, steps, top, top_level, first_page, next_page, memb
     while True:
         # the level's pages first (their links are read back to back), then their keys, each
         # page's asked for a few pages ahead of its scan
-        n_pages, need = _node_pages(frontier, first_page, next_page, count, todo, 0)
+        n_pages, need = node_chain_pages(frontier, first_page, next_page, count, todo, 0)
         need += kept
         if lvl <= 0:
             n_pages, need = _extra_pages(extra, n_extra, owner, top_level, mark, count, todo, n_pages, need)
@@ -233,21 +233,6 @@ def _walk_down(P, beam, keys, steps, top, top_level, first_page, next_page, memb
             frontier = _expand(scratch_ids, scratch_scores, kept, m, beam, mark, stamp)
         kept = m
         lvl -= 1
-
-
-@njit(nogil=True, cache=True, inline="always")
-def _node_pages(nodes, first_page, next_page, count, out, n):
-    """The pages of ``nodes`` (each node's chain in order) into ``out`` from ``n``: returns (the
-    pages listed now in all, the rows they hold)."""
-    rows = 0
-    for f in range(nodes.shape[0]):
-        pg = first_page[nodes[f]]
-        while pg >= 0:
-            out[n] = pg
-            n += 1
-            rows += count[pg]
-            pg = next_page[pg]
-    return n, rows
 
 
 @njit(nogil=True, cache=True)
@@ -310,7 +295,7 @@ def top_copy(top_level, first_page, next_page, members, count, keys, steps, max_
     lowest = held_pages = held_rows = last_rows = 0
     for lvl in range(top_level, 0, -1):  # (level 0's pages are the bottom)
         start = n
-        n, here = _node_pages(nodes, first_page, next_page, count, pages, n)
+        n, here = node_chain_pages(nodes, first_page, next_page, count, pages, n)
         total += here
         if total > max_rows:
             break
